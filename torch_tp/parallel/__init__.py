@@ -1,0 +1,29 @@
+"""Tensor parallelism over DTensor: styles, plans and ``parallelize_module``."""
+
+from torch_tp.parallel import functional
+from torch_tp.parallel.api import parallelize_module
+from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
+from torch_tp.parallel.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "parallelize_module",
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+    "PlanEntry",
+    "match_pattern",
+    "resolve_plan",
+    "functional",
+]

@@ -1,0 +1,401 @@
+"""Tensor-parallel transformations as plain functions: the one implementation of every style.
+
+Each function takes a module and a 1-D mesh, turns the module's parameters into DTensors,
+installs the forward hooks that convert inputs/outputs, and returns the same module
+(like every ``torch.nn`` transform, it works in place). The ``ParallelStyle`` classes in
+:mod:`torch_tp.parallel.style` only store these keyword arguments and call these functions.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> from torch_tp.parallel import functional as F_tp
+    >>> F_tp.colwise(model.ffn.w1, mesh)        # weight Shard(0), output Shard(-1)
+    >>> F_tp.rowwise(model.ffn.w2, mesh)        # weight Shard(1), output Replicate()
+
+``module_path`` is only used in error messages (``parallelize_module`` passes the path the
+plan matched).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+from torch_tp.parallel import _checks
+from torch_tp.parallel._layouts import (
+    finish_output,
+    normalize_layouts,
+    redistribute_to,
+    to_dtensor,
+)
+from torch_tp.parallel._prepare import install_input_hook, install_output_hook
+
+__all__ = [
+    "colwise",
+    "rowwise",
+    "sequence_parallel",
+    "prepare_input",
+    "prepare_output",
+    "prepare_input_output",
+    "check_colwise",
+    "check_rowwise",
+    "check_sequence_parallel",
+]
+
+_SHARDABLE = (nn.Linear, nn.Embedding)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_colwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+    """Raise if :func:`colwise` cannot shard ``module`` on ``device_mesh`` (changes nothing)."""
+    _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True)
+
+
+def check_rowwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+    """Raise if :func:`rowwise` cannot shard ``module`` on ``device_mesh`` (changes nothing)."""
+    _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False)
+
+
+def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool) -> None:
+    _checks.require_1d_mesh(device_mesh, style)
+    _checks.require_module_type(module, _SHARDABLE, style, module_path)
+    _checks.require_only_params(module, ("weight", "bias"), style, module_path)
+    dim = _weight_shard_dim(module, colwise=colwise)
+    _checks.require_shardable(module, "weight", dim, device_mesh.size(), style, module_path)
+
+
+def check_sequence_parallel(
+    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None
+) -> None:
+    """Raise if ``module`` is not sequence-local (a norm, dropout, or elementwise module).
+
+    Sequence parallelism runs the module on a slice of the sequence with replicated
+    parameters, which is exact only when each position is computed independently with
+    1-D (per-feature) parameters. BatchNorm mixes positions through its batch statistics
+    and a module with a matrix parameter should be sharded, not replicated.
+    """
+    style = "SequenceParallel"
+    _checks.require_1d_mesh(device_mesh, style)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        raise TypeError(
+            f"{style} cannot run {_checks.describe(module, module_path)} on a sequence "
+            f"shard: batch statistics would be computed per shard"
+        )
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{style}: {_checks.describe(module, module_path)}.{name} is already a DTensor"
+            )
+        if param.ndim > 1:
+            raise TypeError(
+                f"{style} replicates the parameters of norm/dropout-like modules, but "
+                f"{_checks.describe(module, module_path)}.{name} has shape {tuple(param.shape)}; "
+                f"shard it with ColwiseParallel/RowwiseParallel instead"
+            )
+
+
+# ------------------------------------------------------------------- colwise / rowwise
+
+
+def _weight_shard_dim(module: nn.Module, *, colwise: bool) -> int:
+    # Linear computes x @ W.T with W of shape (out, in): colwise splits out (dim 0),
+    # rowwise splits in (dim 1). Embedding's W is (num_embeddings, dim): colwise splits
+    # the embedding dim (1), rowwise the vocabulary (0).
+    if isinstance(module, nn.Embedding):
+        return 1 if colwise else 0
+    return 0 if colwise else 1
+
+
+def _distribute_parameter(module, name, device_mesh, placement, src_data_rank) -> None:
+    param = getattr(module, name, None)
+    if param is None:
+        return
+    dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+
+def _redistribute_output(output_layout, use_local_output, module, inputs, output):
+    return finish_output(redistribute_to(output, output_layout), use_local_output)
+
+
+def _sharded_module_input(
+    device_mesh, input_layout, desired_layout, sharded_dim_size, module_path, style, module, args
+):
+    if not args:
+        raise TypeError(f"{style} on {_checks.describe(module, module_path)} got no input")
+    x = _checks.require_tensor_input(args[0], "0", module, module_path, style)
+    size = sharded_dim_size if _shards_last_dim(input_layout, x.ndim) else None
+    x = to_dtensor(x, device_mesh, input_layout, sharded_dim_size=size)
+    return (redistribute_to(x, desired_layout), *args[1:])
+
+
+def _shards_last_dim(layout: Placement, ndim: int) -> bool:
+    return isinstance(layout, Shard) and layout.dim % ndim == ndim - 1
+
+
+def colwise(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = True,
+    src_data_rank: int | None = 0,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Shard an ``nn.Linear``'s output features (or an ``nn.Embedding``'s embedding dim).
+
+    The weight becomes ``Shard(0)`` (Linear; bias too) or ``Shard(1)`` (Embedding). The
+    input, annotated with ``input_layouts`` (default ``Replicate()``), is redistributed to
+    ``Replicate()``; the output, sharded on its last dim, is redistributed to
+    ``output_layouts`` (default ``Shard(-1)``) and returned as a local tensor when
+    ``use_local_output``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> colwise(model.w1, mesh)
+        >>> model.w1.weight.placements
+        (Shard(dim=0),)
+    """
+    check_colwise(module, device_mesh, module_path)
+    input_layout = input_layouts or Replicate()
+    output_layout = output_layouts or Shard(-1)
+    dim = _weight_shard_dim(module, colwise=True)
+    _distribute_parameter(module, "weight", device_mesh, Shard(dim), src_data_rank)
+    _distribute_parameter(module, "bias", device_mesh, Shard(0), src_data_rank)
+    module.register_forward_pre_hook(
+        partial(
+            _sharded_module_input,
+            device_mesh, input_layout, Replicate(), None, module_path, "ColwiseParallel",
+        )
+    )
+    module.register_forward_hook(partial(_redistribute_output, output_layout, use_local_output))
+    return module
+
+
+def rowwise(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = True,
+    src_data_rank: int | None = 0,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Shard an ``nn.Linear``'s input features (or an ``nn.Embedding``'s vocabulary).
+
+    Linear: the weight becomes ``Shard(1)``, the bias ``Replicate()``, the input is
+    expected sharded on its last dim (default ``input_layouts=Shard(-1)``). Embedding: the
+    weight becomes ``Shard(0)`` and the token ids are replicated (default
+    ``input_layouts=Replicate()``). The partial-sum output is reduced to
+    ``output_layouts`` (default ``Replicate()``: an all-reduce; ``Shard(1)``: a
+    reduce-scatter, for sequence parallelism).
+
+    A local input whose last dim is unevenly sharded (a Colwise layer with 10 outputs on
+    4 ranks hands over 3, 3, 3, 1 columns) is rebuilt with the Linear's true
+    ``in_features``, so the global shape is right.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> rowwise(model.w2, mesh, output_layouts=Shard(1))
+
+    .. note:: For ``nn.Embedding`` the default input layout is ``Replicate()``: token ids
+        are never split on their last dim. (Upstream applies ``Shard(-1)`` to every module
+        type, which concatenates the ranks' sequences.)
+    """
+    check_rowwise(module, device_mesh, module_path)
+    is_embedding = isinstance(module, nn.Embedding)
+    desired = Replicate() if is_embedding else Shard(-1)
+    input_layout = input_layouts or desired
+    output_layout = output_layouts or Replicate()
+    dim = _weight_shard_dim(module, colwise=False)
+    _distribute_parameter(module, "weight", device_mesh, Shard(dim), src_data_rank)
+    _distribute_parameter(module, "bias", device_mesh, Replicate(), src_data_rank)
+    in_features = None if is_embedding else module.in_features
+    module.register_forward_pre_hook(
+        partial(
+            _sharded_module_input,
+            device_mesh, input_layout, desired, in_features, module_path, "RowwiseParallel",
+        )
+    )
+    module.register_forward_hook(partial(_redistribute_output, output_layout, use_local_output))
+    return module
+
+
+# ------------------------------------------------------------------- sequence parallel
+
+
+def _replicate_parameters(module: nn.Module, device_mesh: DeviceMesh, src_data_rank) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        if src_data_rank is None:
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+        else:
+            replicated = distribute_tensor(
+                param, device_mesh, [Replicate()], src_data_rank=src_data_rank
+            )
+        module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _sequence_input(layout, device_mesh, module_path, module, args):
+    if not args:
+        raise TypeError(f"SequenceParallel on {_checks.describe(module, module_path)} got no input")
+    x = _checks.require_tensor_input(args[0], "0", module, module_path, "SequenceParallel")
+    return (redistribute_to(to_dtensor(x, device_mesh, layout), layout), *args[1:])
+
+
+def _local_output(use_local_output, module, inputs, output):
+    return finish_output(output, use_local_output)
+
+
+def sequence_parallel(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    sequence_dim: int = 1,
+    use_local_output: bool = False,
+    src_data_rank: int | None = 0,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Run a norm/dropout-like module on a sequence shard with replicated parameters.
+
+    A plain-tensor input is taken to be this rank's slice of the sequence
+    (``Shard(sequence_dim)``); a DTensor input in another layout is redistributed to it.
+    Parameters are replicated by broadcasting from ``src_data_rank`` (so a custom init
+    survives; with ``None`` each rank keeps its own values). Parameter gradients are
+    summed over ranks by DTensor.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> sequence_parallel(model.norm, mesh)   # nn.LayerNorm, nn.RMSNorm, ...
+    """
+    check_sequence_parallel(module, device_mesh, module_path)
+    _replicate_parameters(module, device_mesh, src_data_rank)
+    for child in module.modules():
+        if child is not module:
+            _replicate_parameters(child, device_mesh, src_data_rank)
+    layout = Shard(sequence_dim)
+    module.register_forward_pre_hook(partial(_sequence_input, layout, device_mesh, module_path))
+    module.register_forward_hook(partial(_local_output, use_local_output))
+    return module
+
+
+# ------------------------------------------------------------------- prepare input/output
+
+
+def prepare_input(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+    desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+    input_kwarg_layouts: dict[str, Placement] | None = None,
+    desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+    use_local_output: bool = False,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Convert a module's inputs to DTensors and redistribute them before ``forward`` runs.
+
+    ``input_layouts[i]`` annotates positional input ``i`` (``None`` leaves it alone),
+    ``desired_input_layouts[i]`` is the layout ``forward`` sees; the kwarg variants do the
+    same by keyword. With ``use_local_output`` the module receives local tensors.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> prepare_input(block.attention, mesh,
+        ...               input_layouts=(Shard(1), None),
+        ...               desired_input_layouts=(Replicate(), None))
+    """
+    _checks.require_1d_mesh(device_mesh, "PrepareModuleInput")
+    install_input_hook(
+        module,
+        device_mesh,
+        input_layouts=normalize_layouts(input_layouts, "input_layouts"),
+        desired_input_layouts=normalize_layouts(desired_input_layouts, "desired_input_layouts"),
+        input_kwarg_layouts=input_kwarg_layouts,
+        desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+        use_local_output=use_local_output,
+        module_path=module_path,
+    )
+    return module
+
+
+def prepare_output(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    output_layouts: Placement | tuple[Placement | None, ...],
+    desired_output_layouts: Placement | tuple[Placement | None, ...],
+    use_local_output: bool = True,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Convert a module's outputs to DTensors and redistribute them after ``forward`` runs.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> prepare_output(model.norm, mesh, output_layouts=Shard(1),
+        ...                desired_output_layouts=Replicate())
+    """
+    _checks.require_1d_mesh(device_mesh, "PrepareModuleOutput")
+    install_output_hook(
+        module,
+        device_mesh,
+        output_layouts=normalize_layouts(output_layouts, "output_layouts"),
+        desired_output_layouts=normalize_layouts(desired_output_layouts, "desired_output_layouts"),
+        use_local_output=use_local_output,
+        module_path=module_path,
+    )
+    return module
+
+
+def prepare_input_output(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    output_layouts: Placement | tuple[Placement | None, ...],
+    desired_output_layouts: Placement | tuple[Placement | None, ...],
+    input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+    desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+    input_kwarg_layouts: dict[str, Placement] | None = None,
+    desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+    use_local_input: bool = False,
+    use_local_output: bool = True,
+    module_path: str | None = None,
+) -> nn.Module:
+    """:func:`prepare_input` and :func:`prepare_output` on one module.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> prepare_input_output(block, mesh,
+        ...                      input_layouts=Shard(1), desired_input_layouts=Replicate(),
+        ...                      output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    """
+    prepare_input(
+        module,
+        device_mesh,
+        input_layouts=input_layouts,
+        desired_input_layouts=desired_input_layouts,
+        input_kwarg_layouts=input_kwarg_layouts,
+        desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+        use_local_output=use_local_input,
+        module_path=module_path,
+    )
+    return prepare_output(
+        module,
+        device_mesh,
+        output_layouts=output_layouts,
+        desired_output_layouts=desired_output_layouts,
+        use_local_output=use_local_output,
+        module_path=module_path,
+    )

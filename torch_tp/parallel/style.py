@@ -1,0 +1,427 @@
+"""ParallelStyles: small immutable descriptions of how to parallelize one module.
+
+Each style stores its keyword arguments and, when applied, calls the matching function
+in :mod:`torch_tp.parallel.functional` — the styles hold no logic of their own. They
+subclass upstream's :class:`torch.distributed.tensor.parallel.ParallelStyle`, so
+upstream's ``parallelize_module`` accepts them, and they take the same keyword
+arguments with the same defaults as upstream's styles.
+
+Applying a style never changes it: ``src_data_rank`` and the module path travel as
+arguments (see :meth:`ParallelStyle.apply_to`), not as attributes set on the style.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import style as _upstream
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from torch_tp.parallel import _checks, functional
+from torch_tp.parallel._layouts import check_same_length, normalize_layouts
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+]
+
+
+class ParallelStyle(_upstream.ParallelStyle):
+    """Base class of torch_tp's styles: a description of how to parallelize one module.
+
+    Subclasses list their settings in ``_fields`` and implement :meth:`check` (raise if
+    the module cannot be handled, without changing it) and :meth:`apply_to` (do it).
+    Equality, hashing and ``repr`` come from ``_fields``.
+
+    Example::
+
+        >>> ColwiseParallel() == ColwiseParallel(input_layouts=Replicate())
+        True
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def check(self, module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+        """Raise if this style cannot be applied to ``module`` on ``device_mesh``; change nothing."""
+        _checks.require_1d_mesh(device_mesh, type(self).__name__)
+
+    def apply_to(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        module_path: str | None = None,
+    ) -> nn.Module:
+        """Parallelize ``module`` in place and return it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement apply_to")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Upstream's entry point: upstream parallelize_module sets self.src_data_rank first.
+        return self.apply_to(module, device_mesh, src_data_rank=self.src_data_rank)
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((name, _hashable(getattr(self, name))) for name in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._settings() == other._settings()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._settings()))
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
+        return f"{type(self).__name__}({settings})"
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
+    return value
+
+
+def _single_layout(layout: Placement | None, argument: str, style: str) -> Placement | None:
+    if layout is not None and not isinstance(layout, Placement):
+        raise TypeError(f"{style}({argument}=...) takes one Placement such as Shard(1); got {layout!r}")
+    return layout
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (along its output features).
+
+    Keyword Args:
+        input_layouts (Placement, optional): layout of the module's input when it arrives as
+            a plain tensor. Default ``Replicate()``; e.g. ``Shard(1)`` under sequence parallelism.
+        output_layouts (Placement, optional): layout of the output. Default ``Shard(-1)``.
+        use_local_output (bool): return the local shard instead of a DTensor. Default ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> parallelize_module(model, mesh, {"layers.*.feed_forward.w[13]": ColwiseParallel()})
+
+    .. note:: The output is sharded on its last dim, so code between this layer and its
+        paired :class:`RowwiseParallel` sees local feature counts (e.g. local heads).
+    """
+
+    _fields = ("input_layouts", "output_layouts", "use_local_output")
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__()
+        self.input_layouts = _single_layout(input_layouts, "input_layouts", "ColwiseParallel") or Replicate()
+        self.output_layouts = _single_layout(output_layouts, "output_layouts", "ColwiseParallel") or Shard(-1)
+        self.use_local_output = use_local_output
+
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_colwise(module, device_mesh, module_path)
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.colwise(
+            module,
+            device_mesh,
+            input_layouts=self.input_layouts,
+            output_layouts=self.output_layouts,
+            use_local_output=self.use_local_output,
+            src_data_rank=src_data_rank,
+            module_path=module_path,
+        )
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (along its input features / vocabulary).
+
+    Keyword Args:
+        input_layouts (Placement, optional): layout of the input when it arrives as a plain
+            tensor. Default ``Shard(-1)`` for Linear, ``Replicate()`` for Embedding ids.
+        output_layouts (Placement, optional): layout of the output. Default ``Replicate()``
+            (an all-reduce); ``Shard(1)`` reduce-scatters onto the sequence dim.
+        use_local_output (bool): return the local tensor instead of a DTensor. Default ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> parallelize_module(model, mesh, {"layers.*.attention.wo": RowwiseParallel()})
+    """
+
+    _fields = ("input_layouts", "output_layouts", "use_local_output")
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__()
+        # None: chosen by module type when applied (Shard(-1) for Linear, Replicate() for ids).
+        self.input_layouts = _single_layout(input_layouts, "input_layouts", "RowwiseParallel")
+        self.output_layouts = _single_layout(output_layouts, "output_layouts", "RowwiseParallel") or Replicate()
+        self.use_local_output = use_local_output
+
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_rowwise(module, device_mesh, module_path)
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.rowwise(
+            module,
+            device_mesh,
+            input_layouts=self.input_layouts,
+            output_layouts=self.output_layouts,
+            use_local_output=self.use_local_output,
+            src_data_rank=src_data_rank,
+            module_path=module_path,
+        )
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a norm or dropout on a sequence shard, with replicated parameters.
+
+    Handles ``nn.LayerNorm``, ``nn.RMSNorm``, user-written norms whose parameters are 1-D
+    (e.g. a Llama ``RMSNorm`` with a ``weight``) and ``nn.Dropout``.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dim of the input. Default ``1``.
+        use_local_output (bool): return the local shard instead of a DTensor. Default ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> parallelize_module(model, mesh, {"layers.*.attention_norm": SequenceParallel()})
+
+    .. note:: Parameters are broadcast from ``src_data_rank`` rather than assumed to be
+        ones, so a custom norm init is kept.
+    """
+
+    _fields = ("sequence_dim", "use_local_output")
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        super().__init__()
+        if not isinstance(sequence_dim, int):
+            raise TypeError(f"SequenceParallel(sequence_dim=...) takes an int, got {sequence_dim!r}")
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_sequence_parallel(module, device_mesh, module_path)
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.sequence_parallel(
+            module,
+            device_mesh,
+            sequence_dim=self.sequence_dim,
+            use_local_output=self.use_local_output,
+            src_data_rank=src_data_rank,
+            module_path=module_path,
+        )
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert a module's inputs to DTensors (``input_layouts``) and redistribute them
+    (``desired_input_layouts``) before its ``forward``.
+
+    Keyword Args:
+        input_layouts (Placement or tuple of Placement/None): one entry per positional input;
+            ``None`` leaves a value (e.g. a non-tensor) alone.
+        desired_input_layouts (Placement or tuple of Placement/None): same length; the layouts
+            ``forward`` receives.
+        input_kwarg_layouts (dict[str, Placement]): layouts of keyword inputs.
+        desired_input_kwarg_layouts (dict[str, Placement]): desired layouts of keyword inputs.
+        use_local_output (bool): hand ``forward`` local tensors instead of DTensors. Default ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> PrepareModuleInput(input_layouts=(Shard(1), None),
+        ...                    desired_input_layouts=(Replicate(), None))
+    """
+
+    _fields = (
+        "input_layouts",
+        "desired_input_layouts",
+        "input_kwarg_layouts",
+        "desired_input_kwarg_layouts",
+        "use_local_output",
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ):
+        super().__init__()
+        self.input_layouts = normalize_layouts(input_layouts, "input_layouts")
+        self.desired_input_layouts = normalize_layouts(desired_input_layouts, "desired_input_layouts")
+        check_same_length(
+            self.input_layouts, self.desired_input_layouts, ("input_layouts", "desired_input_layouts")
+        )
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.use_local_output = use_local_output
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.prepare_input(
+            module,
+            device_mesh,
+            input_layouts=self.input_layouts,
+            desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts,
+            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
+            use_local_output=self.use_local_output,
+            module_path=module_path,
+        )
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a module's outputs to DTensors (``output_layouts``) and redistribute them
+    (``desired_output_layouts``) after its ``forward``.
+
+    Keyword Args:
+        output_layouts (Placement or tuple of Placement/None): one entry per output.
+        desired_output_layouts (Placement or tuple of Placement/None): same length.
+        use_local_output (bool): return local tensors instead of DTensors. Default ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    """
+
+    _fields = ("output_layouts", "desired_output_layouts", "use_local_output")
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement | None, ...],
+        use_local_output: bool = True,
+    ):
+        super().__init__()
+        self.output_layouts = normalize_layouts(output_layouts, "output_layouts")
+        self.desired_output_layouts = normalize_layouts(desired_output_layouts, "desired_output_layouts")
+        check_same_length(
+            self.output_layouts, self.desired_output_layouts, ("output_layouts", "desired_output_layouts")
+        )
+        self.use_local_output = use_local_output
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.prepare_output(
+            module,
+            device_mesh,
+            output_layouts=self.output_layouts,
+            desired_output_layouts=self.desired_output_layouts,
+            use_local_output=self.use_local_output,
+            module_path=module_path,
+        )
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module.
+
+    Keyword Args:
+        input_layouts, desired_input_layouts, input_kwarg_layouts,
+        desired_input_kwarg_layouts: as :class:`PrepareModuleInput`.
+        use_local_input (bool): hand ``forward`` local tensors. Default ``False``.
+        output_layouts, desired_output_layouts: as :class:`PrepareModuleOutput`.
+        use_local_output (bool): return local tensors. Default ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+        ...                          output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    """
+
+    _fields = (
+        "input_layouts",
+        "desired_input_layouts",
+        "input_kwarg_layouts",
+        "desired_input_kwarg_layouts",
+        "use_local_input",
+        "output_layouts",
+        "desired_output_layouts",
+        "use_local_output",
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement | None, ...],
+        use_local_output: bool = True,
+    ):
+        super().__init__()
+        inputs = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+        )
+        outputs = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts
+        )
+        self.input_layouts = inputs.input_layouts
+        self.desired_input_layouts = inputs.desired_input_layouts
+        self.input_kwarg_layouts = inputs.input_kwarg_layouts
+        self.desired_input_kwarg_layouts = inputs.desired_input_kwarg_layouts
+        self.use_local_input = use_local_input
+        self.output_layouts = outputs.output_layouts
+        self.desired_output_layouts = outputs.desired_output_layouts
+        self.use_local_output = use_local_output
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.prepare_input_output(
+            module,
+            device_mesh,
+            input_layouts=self.input_layouts,
+            desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts,
+            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
+            use_local_input=self.use_local_input,
+            output_layouts=self.output_layouts,
+            desired_output_layouts=self.desired_output_layouts,
+            use_local_output=self.use_local_output,
+            module_path=module_path,
+        )
