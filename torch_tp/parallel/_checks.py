@@ -12,7 +12,25 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__: list[str] = []
+__all__ = ["UnsupportedModuleError"]
+
+
+class UnsupportedModuleError(TypeError, NotImplementedError):
+    """A style was given a module type it cannot handle.
+
+    It is a ``TypeError`` (the argument has the wrong type) and, for code written against
+    upstream, which raises ``NotImplementedError`` here, also a ``NotImplementedError``.
+
+    Example::
+
+        >>> issubclass(UnsupportedModuleError, NotImplementedError)
+        True
+    """
+
+
+# A module records which of its forward stages torch_tp has wired, so a second style
+# (or the same one twice) cannot stack conversions on top of each other.
+_APPLIED_ATTR = "_torch_tp_applied"
 
 
 def describe(module: nn.Module, module_path: str | None) -> str:
@@ -44,7 +62,7 @@ def require_module_type(
     if isinstance(module, allowed):
         return
     names = " or ".join(f"nn.{t.__name__}" for t in allowed)
-    raise TypeError(
+    raise UnsupportedModuleError(
         f"{style} cannot shard {describe(module, module_path)}: it handles {names}. "
         f"Apply it to the Linear/Embedding submodules instead, or use PrepareModuleInput/"
         f"PrepareModuleOutput on a container module"
@@ -94,13 +112,38 @@ def require_only_params(
 
 
 def require_tensor_input(
-    value: object, position: str, module: nn.Module, module_path: str | None, style: str
+    value: object,
+    position: str,
+    module: nn.Module,
+    module_path: str | None,
+    style: str,
+    fix: str = "use None as the layout for non-tensor inputs",
 ) -> torch.Tensor:
     """A layout was given for ``value``: it must be a tensor."""
     if isinstance(value, torch.Tensor):
         return value
     raise TypeError(
         f"{style} on {describe(module, module_path)} was given a layout for input "
-        f"{position}, but the module received {type(value).__name__} there; use None as "
-        f"the layout for non-tensor inputs"
+        f"{position}, but the module received {type(value).__name__} there; {fix}"
     )
+
+
+def require_unprepared(
+    module: nn.Module, stages: tuple[str, ...], style: str, module_path: str | None
+) -> None:
+    """Raise if torch_tp already converts ``module``'s inputs or outputs (``stages``)."""
+    applied = getattr(module, _APPLIED_ATTR, {})
+    for stage in stages:
+        if stage in applied:
+            raise ValueError(
+                f"{style} would convert the {stage}s of {describe(module, module_path)}, "
+                f"which {applied[stage]} already converts; a module's {stage}s can be "
+                f"prepared once (use PrepareModuleInputOutput to prepare both sides)"
+            )
+
+
+def mark_prepared(module: nn.Module, stages: tuple[str, ...], style: str) -> None:
+    """Record that ``style`` now converts ``module``'s ``stages`` ("input", "output")."""
+    applied = dict(getattr(module, _APPLIED_ATTR, {}))
+    applied.update((stage, style) for stage in stages)
+    module.__dict__[_APPLIED_ATTR] = applied

@@ -111,8 +111,18 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _with_positive_dim(layout: Placement, ndim: int) -> Placement:
+    if type(layout) is Shard and layout.dim < 0:
+        return Shard(layout.dim + ndim)
+    return layout
+
+
 def redistribute_to(value: DTensor, layout: Placement) -> DTensor:
-    """Redistribute ``value`` to the single-mesh-axis ``layout`` if it is not already there."""
+    """Redistribute ``value`` to the single-mesh-axis ``layout`` if it is not already there.
+
+    ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout: no redistribution.
+    """
+    layout = _with_positive_dim(layout, value.ndim)
     if tuple(value.placements) == (layout,):
         return value
     return value.redistribute(placements=(layout,), async_op=True)

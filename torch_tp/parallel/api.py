@@ -6,9 +6,10 @@ import copy
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import style as upstream
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
-from torch_tp.parallel import _checks
+from torch_tp.parallel import _checks, functional
 from torch_tp.parallel.plan import PlanEntry, resolve_plan
 from torch_tp.parallel.style import ParallelStyle
 
@@ -32,23 +33,51 @@ def _current_mesh() -> DeviceMesh:
     return mesh
 
 
+_BOTH = ("input", "output")
+
+# Upstream styles: the torch_tp check that matches what their _apply would reject, and
+# which forward stages they convert. Checked up front so a plan mixing upstream and
+# torch_tp styles is still all-or-nothing.
+_UPSTREAM_RULES: dict[type, tuple] = {
+    upstream.ColwiseParallel: (functional.check_colwise, _BOTH),
+    upstream.RowwiseParallel: (functional.check_rowwise, _BOTH),
+    upstream.SequenceParallel: (None, _BOTH),
+    upstream.PrepareModuleInput: (functional.check_prepare_input, ("input",)),
+    upstream.PrepareModuleOutput: (functional.check_prepare_output, ("output",)),
+    upstream.PrepareModuleInputOutput: (None, _BOTH),
+}
+
+
+def _upstream_rule(style: UpstreamParallelStyle) -> tuple:
+    for cls in type(style).__mro__:
+        if cls in _UPSTREAM_RULES:
+            return _UPSTREAM_RULES[cls]
+    return (None, ())
+
+
 def _check_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh) -> None:
     module = root.get_submodule(entry.path)
     if isinstance(entry.style, ParallelStyle):
         entry.style.check(module, mesh, entry.path)
-    else:
-        _checks.require_1d_mesh(mesh, type(entry.style).__name__)
+        return
+    name = type(entry.style).__name__
+    _checks.require_1d_mesh(mesh, name)
+    check, stages = _upstream_rule(entry.style)
+    _checks.require_unprepared(module, stages, name, entry.path)
+    if check is not None:
+        check(module, mesh, entry.path)
 
 
 def _apply_upstream_style(style: UpstreamParallelStyle, module, mesh, src_data_rank, path):
     # Upstream styles read src_data_rank from an attribute (and some set attributes in
     # _apply); work on a copy so the user's style object is never changed.
-    style = copy.copy(style)
-    style.src_data_rank = src_data_rank
+    applied = copy.copy(style)
+    applied.src_data_rank = src_data_rank
     try:
-        return style._apply(module, mesh)
+        applied._apply(module, mesh)
     except (NotImplementedError, ValueError, TypeError) as err:
         raise type(err)(f"{_checks.describe(module, path)}: {err}") from err
+    _checks.mark_prepared(module, _upstream_rule(style)[1], type(style).__name__)
 
 
 def _apply_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh, src_data_rank) -> None:

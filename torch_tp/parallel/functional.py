@@ -43,7 +43,12 @@ __all__ = [
     "check_colwise",
     "check_rowwise",
     "check_sequence_parallel",
+    "check_prepare_input",
+    "check_prepare_output",
 ]
+
+_BOTH = ("input", "output")
+_TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
 
 _SHARDABLE = (nn.Linear, nn.Embedding)
 
@@ -52,12 +57,26 @@ _SHARDABLE = (nn.Linear, nn.Embedding)
 
 
 def check_colwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
-    """Raise if :func:`colwise` cannot shard ``module`` on ``device_mesh`` (changes nothing)."""
+    """Raise if :func:`colwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_colwise(nn.Linear(16, 2), mesh_of_4, "proj")
+        ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight ... smaller than the 4 ranks
+    """
     _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True)
 
 
 def check_rowwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
-    """Raise if :func:`rowwise` cannot shard ``module`` on ``device_mesh`` (changes nothing)."""
+    """Raise if :func:`rowwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_rowwise(nn.LayerNorm(16), mesh, "norm")
+        TypeError: RowwiseParallel cannot shard 'norm' (LayerNorm): it handles nn.Linear or nn.Embedding...
+    """
     _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False)
 
 
@@ -67,6 +86,7 @@ def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwi
     _checks.require_only_params(module, ("weight", "bias"), style, module_path)
     dim = _weight_shard_dim(module, colwise=colwise)
     _checks.require_shardable(module, "weight", dim, device_mesh.size(), style, module_path)
+    _checks.require_unprepared(module, _BOTH, style, module_path)
 
 
 def check_sequence_parallel(
@@ -78,11 +98,17 @@ def check_sequence_parallel(
     parameters, which is exact only when each position is computed independently with
     1-D (per-feature) parameters. BatchNorm mixes positions through its batch statistics
     and a module with a matrix parameter should be sharded, not replicated.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_sequence_parallel(nn.BatchNorm1d(8), mesh, "bn")
+        TypeError: SequenceParallel cannot run 'bn' (BatchNorm1d) on a sequence shard: ...
     """
     style = "SequenceParallel"
     _checks.require_1d_mesh(device_mesh, style)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        raise TypeError(
+        raise _checks.UnsupportedModuleError(
             f"{style} cannot run {_checks.describe(module, module_path)} on a sequence "
             f"shard: batch statistics would be computed per shard"
         )
@@ -92,11 +118,39 @@ def check_sequence_parallel(
                 f"{style}: {_checks.describe(module, module_path)}.{name} is already a DTensor"
             )
         if param.ndim > 1:
-            raise TypeError(
+            raise _checks.UnsupportedModuleError(
                 f"{style} replicates the parameters of norm/dropout-like modules, but "
                 f"{_checks.describe(module, module_path)}.{name} has shape {tuple(param.shape)}; "
                 f"shard it with ColwiseParallel/RowwiseParallel instead"
             )
+    _checks.require_unprepared(module, _BOTH, style, module_path)
+
+
+def check_prepare_input(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+    """Raise if :func:`prepare_input` cannot be applied (N-D mesh, inputs already prepared).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> prepare_input(block, mesh, input_layouts=Shard(1), desired_input_layouts=Replicate())
+        >>> check_prepare_input(block, mesh, "block")
+        ValueError: PrepareModuleInput would convert the inputs of 'block' (Block), which ...
+    """
+    _checks.require_1d_mesh(device_mesh, "PrepareModuleInput")
+    _checks.require_unprepared(module, ("input",), "PrepareModuleInput", module_path)
+
+
+def check_prepare_output(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+    """Raise if :func:`prepare_output` cannot be applied (N-D mesh, outputs already prepared).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_prepare_output(model.norm, mesh_2d, "norm")
+        ValueError: PrepareModuleOutput shards over one mesh axis, but the mesh has 2 dims ...
+    """
+    _checks.require_1d_mesh(device_mesh, "PrepareModuleOutput")
+    _checks.require_unprepared(module, ("output",), "PrepareModuleOutput", module_path)
 
 
 # ------------------------------------------------------------------- colwise / rowwise
@@ -128,7 +182,7 @@ def _sharded_module_input(
 ):
     if not args:
         raise TypeError(f"{style} on {_checks.describe(module, module_path)} got no input")
-    x = _checks.require_tensor_input(args[0], "0", module, module_path, style)
+    x = _checks.require_tensor_input(args[0], "0", module, module_path, style, _TENSOR_INPUT_FIX)
     size = sharded_dim_size if _shards_last_dim(input_layout, x.ndim) else None
     x = to_dtensor(x, device_mesh, input_layout, sharded_dim_size=size)
     return (redistribute_to(x, desired_layout), *args[1:])
@@ -176,6 +230,7 @@ def colwise(
         )
     )
     module.register_forward_hook(partial(_redistribute_output, output_layout, use_local_output))
+    _checks.mark_prepared(module, _BOTH, "ColwiseParallel")
     return module
 
 
@@ -227,6 +282,7 @@ def rowwise(
         )
     )
     module.register_forward_hook(partial(_redistribute_output, output_layout, use_local_output))
+    _checks.mark_prepared(module, _BOTH, "RowwiseParallel")
     return module
 
 
@@ -247,7 +303,9 @@ def _replicate_parameters(module: nn.Module, device_mesh: DeviceMesh, src_data_r
 def _sequence_input(layout, device_mesh, module_path, module, args):
     if not args:
         raise TypeError(f"SequenceParallel on {_checks.describe(module, module_path)} got no input")
-    x = _checks.require_tensor_input(args[0], "0", module, module_path, "SequenceParallel")
+    x = _checks.require_tensor_input(
+        args[0], "0", module, module_path, "SequenceParallel", _TENSOR_INPUT_FIX
+    )
     return (redistribute_to(to_dtensor(x, device_mesh, layout), layout), *args[1:])
 
 
@@ -285,6 +343,7 @@ def sequence_parallel(
     layout = Shard(sequence_dim)
     module.register_forward_pre_hook(partial(_sequence_input, layout, device_mesh, module_path))
     module.register_forward_hook(partial(_local_output, use_local_output))
+    _checks.mark_prepared(module, _BOTH, "SequenceParallel")
     return module
 
 
@@ -315,7 +374,7 @@ def prepare_input(
         ...               input_layouts=(Shard(1), None),
         ...               desired_input_layouts=(Replicate(), None))
     """
-    _checks.require_1d_mesh(device_mesh, "PrepareModuleInput")
+    check_prepare_input(module, device_mesh, module_path)
     install_input_hook(
         module,
         device_mesh,
@@ -326,6 +385,7 @@ def prepare_input(
         use_local_output=use_local_output,
         module_path=module_path,
     )
+    _checks.mark_prepared(module, ("input",), "PrepareModuleInput")
     return module
 
 
@@ -346,7 +406,7 @@ def prepare_output(
         >>> prepare_output(model.norm, mesh, output_layouts=Shard(1),
         ...                desired_output_layouts=Replicate())
     """
-    _checks.require_1d_mesh(device_mesh, "PrepareModuleOutput")
+    check_prepare_output(module, device_mesh, module_path)
     install_output_hook(
         module,
         device_mesh,
@@ -355,6 +415,7 @@ def prepare_output(
         use_local_output=use_local_output,
         module_path=module_path,
     )
+    _checks.mark_prepared(module, ("output",), "PrepareModuleOutput")
     return module
 
 
@@ -381,6 +442,8 @@ def prepare_input_output(
         ...                      input_layouts=Shard(1), desired_input_layouts=Replicate(),
         ...                      output_layouts=Replicate(), desired_output_layouts=Shard(1))
     """
+    check_prepare_input(module, device_mesh, module_path)
+    check_prepare_output(module, device_mesh, module_path)
     prepare_input(
         module,
         device_mesh,

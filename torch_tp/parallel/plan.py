@@ -16,6 +16,7 @@ module with equal styles. Resolution changes nothing; :func:`resolve_plan` retur
 Example::
 
     >>> import torch.nn as nn
+    >>> from torch_tp import ColwiseParallel
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     >>> [e.path for e in resolve_plan(model, {"*": ColwiseParallel()})]
     ['0', '1']
@@ -37,7 +38,15 @@ _GLOB_CHARS = frozenset("*?[")
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One module the plan parallelizes: its path, the pattern that matched it, the style."""
+    """One module the plan parallelizes: its path, the pattern that matched it, the style.
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel
+        >>> entry = resolve_plan(nn.Sequential(nn.Linear(2, 2)), {"0": ColwiseParallel()})[0]
+        >>> entry.path, entry.pattern
+        ('0', '0')
+    """
 
     path: str
     pattern: str
@@ -102,6 +111,14 @@ def resolve_plan(root: nn.Module, plan: UpstreamParallelStyle | dict) -> list[Pl
     """Match every plan key against ``root``'s module paths; raise on unmatched keys or conflicts.
 
     Returns one :class:`PlanEntry` per (module, style) to apply, in plan order.
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel, RowwiseParallel
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        >>> plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        >>> [(e.path, type(e.style).__name__) for e in resolve_plan(model, plan)]
+        [('0', 'ColwiseParallel'), ('2', 'RowwiseParallel')]
     """
     if isinstance(plan, UpstreamParallelStyle):
         return [PlanEntry("", "", plan)]

@@ -290,6 +290,9 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
         self.use_local_output = use_local_output
 
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_prepare_input(module, device_mesh, module_path)
+
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_input(
             module,
@@ -337,6 +340,9 @@ class PrepareModuleOutput(ParallelStyle):
             self.output_layouts, self.desired_output_layouts, ("output_layouts", "desired_output_layouts")
         )
         self.use_local_output = use_local_output
+
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_prepare_output(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_output(
@@ -410,6 +416,10 @@ class PrepareModuleInputOutput(ParallelStyle):
         self.output_layouts = outputs.output_layouts
         self.desired_output_layouts = outputs.desired_output_layouts
         self.use_local_output = use_local_output
+
+    def check(self, module, device_mesh, module_path=None):
+        functional.check_prepare_input(module, device_mesh, module_path)
+        functional.check_prepare_output(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_input_output(

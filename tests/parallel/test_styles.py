@@ -1,0 +1,348 @@
+"""Every style's arguments, on real gloo ranks, against the single-process module.
+
+Each rank function builds a module, keeps an unsharded copy as reference, parallelizes
+the copy and checks placements, local shapes, outputs and gradients.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torch_tp import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch_tp.models.llama import RMSNorm
+from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _shard_of(tensor, dim):
+    """This rank's chunk of ``tensor`` along ``dim`` (DTensor's torch.chunk semantics)."""
+    chunks = torch.chunk(tensor, dist.get_world_size(), dim=dim)
+    rank = dist.get_rank()
+    return chunks[rank] if rank < len(chunks) else tensor.narrow(dim, 0, 0)
+
+
+def _parallel_copy(module, plan, **kwargs):
+    sharded = copy.deepcopy(module)
+    parallelize_module(sharded, tp_mesh(), plan, **kwargs)
+    return sharded
+
+
+def _grad(param):
+    return param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+
+
+def _assert_grads_match(module, reference):
+    for (name, p), (_, ref) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(_grad(p), ref.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+# ------------------------------------------------------------------ ColwiseParallel
+
+
+def _colwise_linear_cases():
+    for bias in (True, False):
+        reference = nn.Linear(16, 12, bias=bias)
+        x = torch.randn(3, 5, 16)
+        expected = reference(x)
+
+        default = _parallel_copy(reference, ColwiseParallel())
+        assert default.weight.placements == (Shard(0),)
+        assert default.weight.to_local().shape == _shard_of(reference.weight, 0).shape
+        if bias:
+            assert default.bias.placements == (Shard(0),)
+        out = default(x)
+        assert not isinstance(out, DTensor)  # use_local_output=True: the local last-dim shard
+        torch.testing.assert_close(out, _shard_of(expected, -1), **TOL)
+        out.sum().backward()
+        expected.sum().backward()
+        _assert_grads_match(default, reference)
+        reference.zero_grad()
+
+        as_dtensor = _parallel_copy(reference, ColwiseParallel(use_local_output=False))(x)
+        assert isinstance(as_dtensor, DTensor) and as_dtensor.placements == (Shard(2),)
+        torch.testing.assert_close(as_dtensor.full_tensor(), expected.detach(), **TOL)
+
+        replicated = _parallel_copy(reference, ColwiseParallel(output_layouts=Replicate()))(x)
+        torch.testing.assert_close(replicated, expected.detach(), **TOL)
+
+        # a batch-sharded input is gathered before the matmul
+        batch_sharded = _parallel_copy(reference, ColwiseParallel(input_layouts=Shard(0)))
+        full_x = torch.randn(2 * dist.get_world_size(), 5, 16)
+        out = batch_sharded(_shard_of(full_x, 0))
+        torch.testing.assert_close(out, _shard_of(reference(full_x), -1).detach(), **TOL)
+
+
+def _colwise_embedding_cases():
+    reference = nn.Embedding(20, 8)
+    ids = torch.randint(0, 20, (2, 6))
+    expected = reference(ids)
+    sharded = _parallel_copy(reference, ColwiseParallel())
+    assert sharded.weight.placements == (Shard(1),)
+    out = sharded(ids)
+    torch.testing.assert_close(out, _shard_of(expected, -1), **TOL)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(sharded, reference)
+    gathered = _parallel_copy(reference, ColwiseParallel(output_layouts=Replicate()))(ids)
+    torch.testing.assert_close(gathered, expected.detach(), **TOL)
+
+
+@world_sizes(2, 4)
+def test_colwise_linear_with_and_without_bias_and_every_layout(world_size):
+    run_on_ranks(_colwise_linear_cases, world_size)
+
+
+@world_sizes(2, 4)
+def test_colwise_embedding_shards_the_embedding_dim(world_size):
+    run_on_ranks(_colwise_embedding_cases, world_size)
+
+
+# ------------------------------------------------------------------ RowwiseParallel
+
+
+def _rowwise_linear_cases():
+    for bias in (True, False):
+        reference = nn.Linear(16, 6, bias=bias)
+        x = torch.randn(3, 5, 16, requires_grad=True)
+        expected = reference(x)
+
+        sharded = _parallel_copy(reference, RowwiseParallel())
+        assert sharded.weight.placements == (Shard(1),)
+        if bias:
+            assert sharded.bias.placements == (Replicate(),)
+        x_shard = _shard_of(x.detach(), -1).requires_grad_()
+        out = sharded(x_shard)
+        assert not isinstance(out, DTensor)
+        torch.testing.assert_close(out, expected, **TOL)
+        out.sum().backward()
+        expected.sum().backward()
+        _assert_grads_match(sharded, reference)
+        torch.testing.assert_close(x_shard.grad, _shard_of(x.grad, -1), **TOL)
+        reference.zero_grad()
+
+        dt = _parallel_copy(reference, RowwiseParallel(use_local_output=False))(x_shard)
+        assert isinstance(dt, DTensor) and dt.placements == (Replicate(),)
+
+        # reduce-scatter onto the sequence dim (sequence parallelism)
+        seq = _parallel_copy(reference, RowwiseParallel(output_layouts=Shard(1)))(x_shard)
+        torch.testing.assert_close(seq, _shard_of(expected.detach(), 1), **TOL)
+
+        # a replicated input is split locally, without communication
+        replicated_in = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate()))(x.detach())
+        torch.testing.assert_close(replicated_in, expected.detach(), **TOL)
+
+
+def _rowwise_embedding_cases():
+    reference = nn.Embedding(20, 8)
+    ids = torch.randint(0, 20, (2, 4 * dist.get_world_size()))
+    expected = reference(ids)
+    sharded = _parallel_copy(reference, RowwiseParallel())  # ids replicated by default
+    assert sharded.weight.placements == (Shard(0),)
+    out = sharded(ids)
+    torch.testing.assert_close(out, expected, **TOL)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(sharded, reference)
+    seq = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))(ids)
+    torch.testing.assert_close(seq, _shard_of(expected.detach(), 1), **TOL)
+
+
+@world_sizes(2, 4)
+def test_rowwise_linear_with_and_without_bias_and_every_layout(world_size):
+    run_on_ranks(_rowwise_linear_cases, world_size)
+
+
+@world_sizes(2, 4)
+def test_rowwise_embedding_shards_the_vocabulary(world_size):
+    run_on_ranks(_rowwise_embedding_cases, world_size)
+
+
+# ------------------------------------------------------------------ uneven shards
+
+
+def _uneven_colwise_feeds_rowwise():
+    reference = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 6))
+    x = torch.randn(4, 8)
+    expected = reference(x)
+    sharded = _parallel_copy(reference, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    local_features = sharded[0].weight.to_local().shape[0]
+    out = sharded(x)
+    torch.testing.assert_close(out, expected, **TOL)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(sharded, reference)
+    return local_features
+
+
+def test_uneven_colwise_output_survives_use_local_output_into_rowwise():
+    # 10 features on 4 ranks are local 3, 3, 3, 1: the rowwise layer must rebuild the
+    # global shape from its in_features, not from local size * 4 (upstream pytorch#150336).
+    assert run_on_ranks(_uneven_colwise_feeds_rowwise, 4) == [3, 3, 3, 1]
+    run_on_ranks(_uneven_colwise_feeds_rowwise, 2)
+
+
+# ------------------------------------------------------------------ SequenceParallel
+
+
+def _sequence_parallel_cases():
+    world = dist.get_world_size()
+    norms = [nn.LayerNorm(8), nn.RMSNorm(8), RMSNorm(8), nn.Dropout(p=0.0)]
+    for reference in norms:
+        for param in reference.parameters():
+            nn.init.normal_(param)  # a custom init must survive (broadcast, not assumed ones)
+        for sequence_dim in (1, 0):
+            shape = [2, 2] if sequence_dim == 1 else [2 * world, 3]
+            shape[sequence_dim] = 2 * world
+            x = torch.randn(*shape, 8, requires_grad=True)
+            expected = reference(x)
+            sharded = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim))
+            for param in sharded.parameters():
+                assert param.placements == (Replicate(),)
+            x_shard = _shard_of(x.detach(), sequence_dim).requires_grad_()
+            out = sharded(x_shard)
+            assert isinstance(out, DTensor) and out.placements == (Shard(sequence_dim),)
+            torch.testing.assert_close(out.full_tensor(), expected, **TOL)
+            out.to_local().sum().backward()
+            expected.sum().backward()
+            _assert_grads_match(sharded, reference)
+            torch.testing.assert_close(x_shard.grad, _shard_of(x.grad, sequence_dim), **TOL)
+            reference.zero_grad()
+            local = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim, use_local_output=True))
+            assert not isinstance(local(x_shard.detach()), DTensor)
+
+
+def _sequence_parallel_redistributes_a_dtensor_input():
+    reference = nn.LayerNorm(8)
+    x = torch.randn(2, 4 * dist.get_world_size(), 8)
+    sharded = _parallel_copy(reference, SequenceParallel())
+    replicated = DTensor.from_local(x, tp_mesh(), [Replicate()])
+    out = sharded(replicated)
+    assert out.placements == (Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), reference(x).detach(), **TOL)
+
+
+@world_sizes(2, 4)
+def test_sequence_parallel_on_layernorm_rmsnorm_user_rmsnorm_and_dropout(world_size):
+    run_on_ranks(_sequence_parallel_cases, world_size)
+
+
+def test_sequence_parallel_redistributes_a_dtensor_input_to_the_sequence_dim():
+    run_on_ranks(_sequence_parallel_redistributes_a_dtensor_input, 2)
+
+
+# ------------------------------------------------------------------ PrepareModule*
+
+
+class TakesMixedArgs(nn.Module):
+    """Records what forward receives; returns (x + y, scale, mask)."""
+
+    def forward(self, x, scale, y, *, mask=None):
+        self.seen = (
+            getattr(x, "placements", "local"), scale, getattr(y, "placements", "local"),
+            getattr(mask, "placements", "local"),
+        )
+        return x * scale + y, scale, mask
+
+
+def _prepare_input_positional_with_placeholders():
+    world = dist.get_world_size()
+    module = TakesMixedArgs()
+    style = PrepareModuleInput(
+        input_layouts=(Shard(0), None, Replicate()),
+        desired_input_layouts=(Replicate(), None, Replicate()),
+    )
+    parallelize_module(module, tp_mesh(), style)
+    full_x = torch.arange(2.0 * world).reshape(2 * world, 1)
+    y = torch.ones(2 * world, 1)
+    out, scale, _ = module(_shard_of(full_x, 0), 3.0, y)
+    assert module.seen[:3] == ((Replicate(),), 3.0, (Replicate(),))
+    assert scale == 3.0  # the None placeholder passed the float through untouched
+    torch.testing.assert_close(out.full_tensor(), full_x * 3.0 + 1.0)
+
+
+def _prepare_input_kwargs_and_local_output():
+    world = dist.get_world_size()
+    module = TakesMixedArgs()
+    style = PrepareModuleInput(
+        input_layouts=(Replicate(), None, None),
+        desired_input_layouts=(Replicate(), None, None),
+        input_kwarg_layouts={"mask": Shard(0)},
+        desired_input_kwarg_layouts={"mask": Replicate()},
+        use_local_output=True,
+    )
+    parallelize_module(module, tp_mesh(), style)
+    full_mask = torch.arange(float(world * 2))
+    out, _, mask = module(torch.ones(2), 2.0, torch.zeros(2), mask=_shard_of(full_mask, 0))
+    assert module.seen == ("local", 2.0, "local", "local")
+    torch.testing.assert_close(mask, full_mask)  # gathered, then handed over as a local tensor
+
+
+class TwoOutputs(nn.Module):
+    def forward(self, x):
+        return x * 2, "label", x + 1
+
+
+def _prepare_output_cases():
+    world = dist.get_world_size()
+    full = torch.arange(4.0 * world).reshape(2 * world, 2)
+    module = TwoOutputs()
+    parallelize_module(module, tp_mesh(), PrepareModuleOutput(
+        output_layouts=(Shard(0), None, Shard(0)),
+        desired_output_layouts=(Replicate(), None, Shard(0)),
+    ))
+    doubled, label, plus_one = module(_shard_of(full, 0))
+    assert label == "label"
+    torch.testing.assert_close(doubled, full * 2)  # gathered, returned local (default)
+    torch.testing.assert_close(plus_one, _shard_of(full, 0) + 1)
+
+    single = nn.Identity()
+    parallelize_module(single, tp_mesh(), PrepareModuleOutput(
+        output_layouts=Shard(0), desired_output_layouts=Replicate(), use_local_output=False,
+    ))
+    out = single(_shard_of(full, 0))
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), full)
+
+
+def _prepare_input_output_cases():
+    world = dist.get_world_size()
+    full = torch.randn(2, 2 * world, 4)
+    reference = nn.Linear(4, 4)
+    module = copy.deepcopy(reference)
+    parallelize_module(module, tp_mesh(), PrepareModuleInputOutput(
+        input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
+        output_layouts=Replicate(), desired_output_layouts=Shard(1),
+    ))
+    out = module(_shard_of(full, 1))
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, _shard_of(reference(full), 1).detach(), **TOL)
+
+
+@world_sizes(2, 4)
+def test_prepare_module_input_positional_layouts_with_none_placeholders(world_size):
+    run_on_ranks(_prepare_input_positional_with_placeholders, world_size)
+
+
+def test_prepare_module_input_kwarg_layouts_and_use_local_output():
+    run_on_ranks(_prepare_input_kwargs_and_local_output, 2)
+
+
+@world_sizes(2, 4)
+def test_prepare_module_output_tuple_and_single_outputs(world_size):
+    run_on_ranks(_prepare_output_cases, world_size)
+
+
+def test_prepare_module_input_output_gathers_input_and_scatters_output():
+    run_on_ranks(_prepare_input_output_cases, 2)

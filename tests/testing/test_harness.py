@@ -1,0 +1,246 @@
+"""Tests of the distributed test harness (torch_tp.testing._dist).
+
+Rank functions live at module level here: workers import this module by the
+name pytest gave it, using the sys.path the parent sends with each task.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from torch_tp.testing import (
+    RankFailure,
+    assert_comm_counts,
+    comm_counts,
+    mesh_2x2,
+    rank,
+    run_on_ranks,
+    tp_mesh,
+    world_size,
+    world_sizes,
+)
+
+
+# ---------------------------------------------------------------- rank functions
+
+
+def _all_reduce_rank_values():
+    t = torch.tensor([float(rank())])
+    dist.all_reduce(t)
+    mesh = tp_mesh()
+    return rank(), world_size(), t.item(), mesh.size(), mesh.mesh_dim_names, tp_mesh() is mesh
+
+
+def _row_sums_on_2x2_mesh():
+    mesh = mesh_2x2()
+    t = torch.tensor([float(rank())])
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    return tuple(mesh.shape), mesh.mesh_dim_names, t.item(), mesh_2x2() is mesh
+
+
+def _mesh_2x2_error():
+    try:
+        mesh_2x2()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _pid_and_fresh_rng():
+    return os.getpid(), torch.rand(3)
+
+
+def _explode():
+    raise ValueError("boom-rank1")
+
+
+def _rank1_raises_while_rank0_waits():
+    if rank() == 1:
+        print("rank 1 about to fail")
+        _explode()
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+def _rank0_skips_the_collective():
+    if rank() != 0:
+        dist.all_reduce(torch.ones(1))
+    return rank()
+
+
+def _rank1_exits_with_code_3():
+    if rank() == 1:
+        os._exit(3)
+    return rank()
+
+
+def _print_and_return_rank():
+    print("hello from a worker")
+    os.write(2, b"raw bytes on fd 2\n")
+    return rank()
+
+
+def _redistribute_counts():
+    mesh = tp_mesh()
+    full = torch.arange(16.0).reshape(4, 4)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    with CommDebugMode() as mode:
+        replicated = sharded.redistribute(mesh, [Replicate()])
+    assert_comm_counts(mode.get_comm_counts(), {"all_gather_into_tensor": 1}, "Shard(0)->Replicate")
+    try:
+        assert_comm_counts(mode.get_comm_counts(), {"all_reduce": 1}, "wrong expectation")
+        mismatch = None
+    except AssertionError as exc:
+        mismatch = str(exc)
+    return comm_counts(mode), mismatch, torch.equal(replicated.to_local(), full)
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+@world_sizes(1, 2, 4)
+def test_all_reduce_and_tp_mesh_on_every_rank(world_size, request):
+    assert request.node.callspec.id == f"ws{world_size}"
+    results = run_on_ranks(_all_reduce_rank_values, world_size)
+    expected_sum = float(sum(range(world_size)))
+    assert results == [(r, world_size, expected_sum, world_size, ("tp",), True) for r in range(world_size)]
+
+
+def test_mesh_2x2_sums_within_tp_rows():
+    results = run_on_ranks(_row_sums_on_2x2_mesh, 4)
+    row_sums = [1.0, 1.0, 5.0, 5.0]  # rows are ranks {0, 1} and {2, 3}
+    assert results == [((2, 2), ("dp", "tp"), row_sums[r], True) for r in range(4)]
+
+
+def test_mesh_2x2_needs_four_ranks():
+    messages = run_on_ranks(_mesh_2x2_error, 2)
+    assert all(m is not None and "world_size 4" in m for m in messages), messages
+
+
+def test_pool_is_reused_and_rng_is_reseeded_per_task():
+    first = run_on_ranks(_pid_and_fresh_rng, 2)
+    second = run_on_ranks(_pid_and_fresh_rng, 2)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]
+    assert len({pid for pid, _ in first}) == 2
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(0))
+    for _, values in first + second:
+        torch.testing.assert_close(values, expected)
+
+
+def test_args_kwargs_and_tensor_results_round_trip():
+    results = run_on_ranks(torch.add, 2, torch.ones(2), other=torch.full((2,), 2.0))
+    for value in results:
+        torch.testing.assert_close(value, torch.full((2,), 3.0))
+
+
+def test_function_from_a_directory_added_to_sys_path_at_runtime(tmp_path, monkeypatch):
+    (tmp_path / "harness_runtime_module.py").write_text("def answer(x):\n    return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import harness_runtime_module
+
+    assert run_on_ranks(harness_runtime_module.answer, 2, 21) == [42, 42]
+
+
+def test_worker_output_goes_to_logs_not_to_the_test(capfd):
+    assert run_on_ranks(_print_and_return_rank, 2) == [0, 1]
+    captured = capfd.readouterr()
+    assert "hello from a worker" not in captured.out + captured.err
+    assert "raw bytes" not in captured.out + captured.err
+
+
+def test_assert_comm_counts_with_real_comm_debug_mode():
+    for counts, mismatch, values_ok in run_on_ranks(_redistribute_counts, 2):
+        assert counts == {"all_gather_into_tensor": 1}
+        assert values_ok
+        assert "wrong expectation" in mismatch
+        assert "{'all_reduce': 1}" in mismatch and "{'all_gather_into_tensor': 1}" in mismatch
+
+
+def test_assert_comm_counts_normalizes_keys_without_workers():
+    import torch.distributed._functional_collectives  # noqa: F401  (registers c10d_functional)
+
+    counts = {
+        torch.ops.c10d_functional.all_reduce: 2,
+        torch.ops.c10d.allreduce_: 1,
+        torch.ops.c10d_functional.reduce_scatter_tensor.default: 1,
+        torch.ops.c10d_functional.all_to_all_single: 0,
+    }
+    assert_comm_counts(counts, {"all_reduce": 3, "reduce_scatter_tensor": 1}, "mixed keys")
+    assert_comm_counts({}, {"all_reduce": 0}, "zero means absent")
+    with pytest.raises(AssertionError, match="row-wise forward"):
+        assert_comm_counts(counts, {"all_reduce": 2}, "row-wise forward")
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def test_unpicklable_function_is_rejected_before_spawning():
+    with pytest.raises(TypeError, match="module-level function"):
+        run_on_ranks(lambda: 1, 2)
+
+
+def test_rank_helpers_refuse_to_run_in_the_parent():
+    for helper in (rank, world_size, tp_mesh, mesh_2x2):
+        with pytest.raises(RuntimeError, match="inside a function run by run_on_ranks"):
+            helper()
+
+
+def test_invalid_world_size_is_rejected():
+    with pytest.raises(ValueError, match="world_size"):
+        run_on_ranks(_print_and_return_rank, 0)
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _pids(size):
+    return [pid for pid, _ in run_on_ranks(_pid_and_fresh_rng, size)]
+
+
+def test_raising_rank_reports_its_traceback_and_the_pool_is_respawned():
+    pids_before = _pids(2)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_rank1_raises_while_rank0_waits, 2)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "rank 1: raised" in message
+    assert "boom-rank1" in message
+    assert 'raise ValueError("boom-rank1")' in message  # the source line of the traceback
+    assert "in _explode" in message
+    assert "rank 1 about to fail" in message  # rank 1's output tail
+    # rank 0 is stuck in the all_reduce: reported with its stack after the grace period
+    assert "rank 0: did not answer" in message
+    assert "_rank1_raises_while_rank0_waits" in message.split("rank 0: did not answer")[1]
+    assert info.value.failed_ranks == [0, 1]
+    assert elapsed < 20, elapsed
+
+    pids_after = _pids(2)
+    assert set(pids_after).isdisjoint(pids_before)
+
+
+def test_hung_rank_times_out_with_its_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_rank0_skips_the_collective, 2, timeout=5.0)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert elapsed < 30, elapsed
+    assert "timed out after 5 s" in message
+    assert info.value.failed_ranks == [1]
+    assert "rank 1: did not answer" in message
+    assert "_rank0_skips_the_collective" in message  # from rank 1's stack dump
+    assert run_on_ranks(_print_and_return_rank, 2) == [0, 1]
+
+
+def test_dead_worker_reports_its_exit_code():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_rank1_exits_with_code_3, 2)
+    message = str(info.value)
+    assert "rank 1: worker process died (exit code 3)" in message
+    assert info.value.failed_ranks == [1]
+    assert run_on_ranks(_print_and_return_rank, 2) == [0, 1]

@@ -1,0 +1,34 @@
+"""Test utilities for torch_tp: the shared distributed harness.
+
+Example::
+
+    from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+"""
+
+from torch_tp.testing._dist import (
+    COLLECTIVE_TIMEOUT,
+    RankFailure,
+    assert_comm_counts,
+    comm_counts,
+    mesh_2x2,
+    rank,
+    run_on_ranks,
+    shutdown_pools,
+    tp_mesh,
+    world_size,
+    world_sizes,
+)
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "RankFailure",
+    "assert_comm_counts",
+    "comm_counts",
+    "mesh_2x2",
+    "rank",
+    "run_on_ranks",
+    "shutdown_pools",
+    "tp_mesh",
+    "world_size",
+    "world_sizes",
+]
