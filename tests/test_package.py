@@ -20,6 +20,8 @@ PUBLIC_MODULES = [
     "torch_tp.models",
     "torch_tp.models.llama",
     "torch_tp.testing",
+    "torch_tp.launch",
+    "torch_tp.demo",
 ]
 
 

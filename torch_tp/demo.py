@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,12 +21,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import parallelize_module
+from torch_tp.launch import launch, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
 __all__ = ["main"]
-
-_TIMEOUT = timedelta(seconds=120)
-
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m torch_tp.demo", description=__doc__.splitlines()[0])
@@ -37,15 +32,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="training steps")
     parser.add_argument("--no-sequence-parallel", action="store_true", help="plain tensor parallelism")
     return parser.parse_args(argv)
-
-
-def _device_and_backend() -> tuple[torch.device, str]:
-    launched = "LOCAL_RANK" in os.environ
-    if launched and torch.cuda.is_available():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def _train(model, batches, lr=0.1):
@@ -61,8 +47,8 @@ def _train(model, batches, lr=0.1):
 
 
 def _run(options: argparse.Namespace) -> None:
-    device, backend = _device_and_backend()
-    dist.init_process_group(backend, timeout=_TIMEOUT)
+    device = rank_device()
+    backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     sequence_parallel = not options.no_sequence_parallel
@@ -89,21 +75,8 @@ def _run(options: argparse.Namespace) -> None:
             print(f"  step {step}: loss {a:.5f} (single process {b:.5f})")
         verdict = "matches" if worst < 1e-4 else "DOES NOT match"
         print(f"loss {verdict} the single-process run (max |diff| {worst:.2e})")
-    dist.destroy_process_group()
     if worst >= 1e-4:
         raise SystemExit(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawned_rank(rank: int, world: int, port: int, options: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _run(options)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,12 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         >>> main(["--nproc", "2", "--steps", "3"])
     """
     options = _parse(argv)
-    if "RANK" in os.environ:  # launched by torchrun
-        _run(options)
-        return
-    import torch.multiprocessing as mp
-
-    mp.spawn(_spawned_rank, args=(options.nproc, _free_port(), options), nprocs=options.nproc)
+    launch(_run, options, nproc=options.nproc)
 
 
 if __name__ == "__main__":
