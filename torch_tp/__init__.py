@@ -17,6 +17,7 @@ from torch_tp.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    explain_plan,
     parallelize_module,
 )
 
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "parallelize_module",
+    "explain_plan",
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",

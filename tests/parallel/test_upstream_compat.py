@@ -390,7 +390,12 @@ def test_styles_and_parallelize_module_take_upstream_arguments_and_defaults(name
         ours, theirs = ours.__init__, theirs.__init__
     params = inspect.signature(ours).parameters
     upstream_params = inspect.signature(theirs).parameters
-    assert list(params) == list(upstream_params)
+    # Every upstream argument, in upstream's order; torch_tp may only add keyword-only
+    # options with defaults after them (additive: upstream calls still mean the same).
+    assert list(params)[: len(upstream_params)] == list(upstream_params)
+    for extra in list(params)[len(upstream_params):]:
+        assert params[extra].kind is inspect.Parameter.KEYWORD_ONLY, extra
+        assert params[extra].default is not inspect.Parameter.empty, extra
     for arg, upstream_param in upstream_params.items():
         param = params[arg]
         assert param.kind == upstream_param.kind, arg

@@ -2,6 +2,7 @@
 
 from torch_tp.parallel import functional
 from torch_tp.parallel.api import parallelize_module
+from torch_tp.parallel.explain import ParamRow, PlanReport, explain_plan
 from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
 from torch_tp.parallel.style import (
     ColwiseParallel,
@@ -15,6 +16,9 @@ from torch_tp.parallel.style import (
 
 __all__ = [
     "parallelize_module",
+    "explain_plan",
+    "PlanReport",
+    "ParamRow",
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",

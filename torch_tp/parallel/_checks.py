@@ -30,7 +30,7 @@ class UnsupportedModuleError(TypeError, NotImplementedError):
 
 # A module records which of its forward stages torch_tp has wired, so a second style
 # (or the same one twice) cannot stack conversions on top of each other.
-_APPLIED_ATTR = "_torch_tp_applied"
+APPLIED_ATTR = "_torch_tp_applied"
 
 
 def describe(module: nn.Module, module_path: str | None) -> str:
@@ -41,8 +41,21 @@ def describe(module: nn.Module, module_path: str | None) -> str:
     return f"{module_path or '<root>'!r} ({kind})"
 
 
-def require_1d_mesh(device_mesh: DeviceMesh, style: str) -> None:
-    """Tensor-parallel styles shard over one mesh axis; reject an N-D mesh with the fix."""
+def mesh_size(device_mesh: DeviceMesh | int) -> int:
+    """Ranks along the (1-D) mesh; a plain int stands for a 1-D mesh of that size."""
+    return device_mesh if isinstance(device_mesh, int) else device_mesh.size()
+
+
+def require_1d_mesh(device_mesh: DeviceMesh | int, style: str) -> None:
+    """Tensor-parallel styles shard over one mesh axis; reject an N-D mesh with the fix.
+
+    A positive int is accepted as "a 1-D mesh of that many ranks" (plan checking and
+    :func:`torch_tp.explain_plan` work without a process group).
+    """
+    if isinstance(device_mesh, int) and not isinstance(device_mesh, bool):
+        if device_mesh < 1:
+            raise ValueError(f"{style}: a mesh size must be at least 1, got {device_mesh}")
+        return
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"{style} needs a DeviceMesh, got {type(device_mesh).__name__}")
     if device_mesh.ndim != 1:
@@ -132,7 +145,7 @@ def require_unprepared(
     module: nn.Module, stages: tuple[str, ...], style: str, module_path: str | None
 ) -> None:
     """Raise if torch_tp already converts ``module``'s inputs or outputs (``stages``)."""
-    applied = getattr(module, _APPLIED_ATTR, {})
+    applied = getattr(module, APPLIED_ATTR, {})
     for stage in stages:
         if stage in applied:
             raise ValueError(
@@ -144,6 +157,6 @@ def require_unprepared(
 
 def mark_prepared(module: nn.Module, stages: tuple[str, ...], style: str) -> None:
     """Record that ``style`` now converts ``module``'s ``stages`` ("input", "output")."""
-    applied = dict(getattr(module, _APPLIED_ATTR, {}))
+    applied = dict(getattr(module, APPLIED_ATTR, {}))
     applied.update((stage, style) for stage in stages)
-    module.__dict__[_APPLIED_ATTR] = applied
+    module.__dict__[APPLIED_ATTR] = applied

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import style as upstream
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
+from torch.distributed.tensor import DTensor
+
 from torch_tp.parallel import _checks, functional
+from torch_tp.parallel._upstream import as_torch_tp_style
 from torch_tp.parallel.plan import PlanEntry, resolve_plan
-from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
 
@@ -33,59 +32,15 @@ def _current_mesh() -> DeviceMesh:
     return mesh
 
 
-_BOTH = ("input", "output")
-
-# Upstream styles: the torch_tp check that matches what their _apply would reject, and
-# which forward stages they convert. Checked up front so a plan mixing upstream and
-# torch_tp styles is still all-or-nothing.
-_UPSTREAM_RULES: dict[type, tuple] = {
-    upstream.ColwiseParallel: (functional.check_colwise, _BOTH),
-    upstream.RowwiseParallel: (functional.check_rowwise, _BOTH),
-    upstream.SequenceParallel: (None, _BOTH),
-    upstream.PrepareModuleInput: (functional.check_prepare_input, ("input",)),
-    upstream.PrepareModuleOutput: (functional.check_prepare_output, ("output",)),
-    upstream.PrepareModuleInputOutput: (None, _BOTH),
-}
-
-
-def _upstream_rule(style: UpstreamParallelStyle) -> tuple:
-    for cls in type(style).__mro__:
-        if cls in _UPSTREAM_RULES:
-            return _UPSTREAM_RULES[cls]
-    return (None, ())
-
-
 def _check_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh) -> None:
     module = root.get_submodule(entry.path)
-    if isinstance(entry.style, ParallelStyle):
-        entry.style.check(module, mesh, entry.path)
-        return
-    name = type(entry.style).__name__
-    _checks.require_1d_mesh(mesh, name)
-    check, stages = _upstream_rule(entry.style)
-    _checks.require_unprepared(module, stages, name, entry.path)
-    if check is not None:
-        check(module, mesh, entry.path)
-
-
-def _apply_upstream_style(style: UpstreamParallelStyle, module, mesh, src_data_rank, path):
-    # Upstream styles read src_data_rank from an attribute (and some set attributes in
-    # _apply); work on a copy so the user's style object is never changed.
-    applied = copy.copy(style)
-    applied.src_data_rank = src_data_rank
-    try:
-        applied._apply(module, mesh)
-    except (NotImplementedError, ValueError, TypeError) as err:
-        raise type(err)(f"{_checks.describe(module, path)}: {err}") from err
-    _checks.mark_prepared(module, _upstream_rule(style)[1], type(style).__name__)
+    as_torch_tp_style(entry.style).check(module, mesh, entry.path)
 
 
 def _apply_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh, src_data_rank) -> None:
     module = root.get_submodule(entry.path)
-    if isinstance(entry.style, ParallelStyle):
-        entry.style.apply_to(module, mesh, src_data_rank=src_data_rank, module_path=entry.path)
-    else:
-        _apply_upstream_style(entry.style, module, mesh, src_data_rank, entry.path)
+    style = as_torch_tp_style(entry.style)
+    style.apply_to(module, mesh, src_data_rank=src_data_rank, module_path=entry.path)
 
 
 def parallelize_module(
@@ -94,6 +49,7 @@ def parallelize_module(
     parallelize_plan: UpstreamParallelStyle | dict[str, UpstreamParallelStyle] | None = None,
     *,
     src_data_rank: int | None = 0,
+    replicate_unplanned_params: bool = False,
 ) -> nn.Module:
     """Parallelize ``module`` in place according to a plan, and return it.
 
@@ -111,6 +67,13 @@ def parallelize_module(
         src_data_rank (int or None): the rank whose values are scattered/broadcast so the
             sharded model equals the single-device one. ``None``: every rank keeps its own
             values (no communication). Reaches every style, the ``""`` key included.
+        replicate_unplanned_params (bool): also turn every parameter the plan leaves out
+            (e.g. norms under plain TP) into a ``Replicate()`` DTensor, broadcast from
+            ``src_data_rank``, and run its module on replicated inputs
+            (:func:`torch_tp.parallel.functional.replicate`). Then every parameter is a
+            DTensor, so ``torch.nn.utils.clip_grad_norm_`` and optimizers work on the whole
+            model instead of failing on mixed ``torch.Tensor`` and ``DTensor``. Default ``False``
+            (upstream behaviour: such parameters stay plain tensors).
 
     Returns:
         ``module``, parallelized.
@@ -146,4 +109,13 @@ def parallelize_module(
         _check_entry(module, entry, mesh)
     for entry in entries:
         _apply_entry(module, entry, mesh, src_data_rank)
+    if replicate_unplanned_params:
+        _replicate_unplanned(module, mesh, src_data_rank)
     return module
+
+
+def _replicate_unplanned(root: nn.Module, mesh: DeviceMesh, src_data_rank) -> None:
+    for path, module in root.named_modules():
+        own = module.named_parameters(recurse=False)
+        if any(not isinstance(param, DTensor) for _, param in own):
+            functional.replicate(module, mesh, src_data_rank=src_data_rank, module_path=path)

@@ -19,6 +19,8 @@ plan matched).
 from __future__ import annotations
 
 from functools import partial
+
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -40,11 +42,15 @@ __all__ = [
     "prepare_input",
     "prepare_output",
     "prepare_input_output",
+    "replicate",
     "check_colwise",
     "check_rowwise",
     "check_sequence_parallel",
     "check_prepare_input",
     "check_prepare_output",
+    "colwise_placements",
+    "rowwise_placements",
+    "sequence_parallel_placements",
 ]
 
 _BOTH = ("input", "output")
@@ -85,7 +91,7 @@ def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwi
     _checks.require_module_type(module, _SHARDABLE, style, module_path)
     _checks.require_only_params(module, ("weight", "bias"), style, module_path)
     dim = _weight_shard_dim(module, colwise=colwise)
-    _checks.require_shardable(module, "weight", dim, device_mesh.size(), style, module_path)
+    _checks.require_shardable(module, "weight", dim, _checks.mesh_size(device_mesh), style, module_path)
     _checks.require_unprepared(module, _BOTH, style, module_path)
 
 
@@ -165,12 +171,54 @@ def _weight_shard_dim(module: nn.Module, *, colwise: bool) -> int:
     return 0 if colwise else 1
 
 
-def _distribute_parameter(module, name, device_mesh, placement, src_data_rank) -> None:
-    param = getattr(module, name, None)
-    if param is None:
-        return
-    dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
-    module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+def colwise_placements(module: nn.Module) -> dict[str, Placement]:
+    """Where :func:`colwise` puts each parameter of ``module`` (path relative to ``module``).
+
+    Example::
+
+        >>> colwise_placements(nn.Linear(4, 8))
+        {'weight': Shard(dim=0), 'bias': Shard(dim=0)}
+        >>> colwise_placements(nn.Embedding(10, 4))
+        {'weight': Shard(dim=1)}
+    """
+    placements = {"weight": Shard(_weight_shard_dim(module, colwise=True))}
+    if getattr(module, "bias", None) is not None:
+        placements["bias"] = Shard(0)
+    return placements
+
+
+def rowwise_placements(module: nn.Module) -> dict[str, Placement]:
+    """Where :func:`rowwise` puts each parameter of ``module`` (path relative to ``module``).
+
+    Example::
+
+        >>> rowwise_placements(nn.Linear(4, 8))
+        {'weight': Shard(dim=1), 'bias': Replicate()}
+    """
+    placements = {"weight": Shard(_weight_shard_dim(module, colwise=False))}
+    if getattr(module, "bias", None) is not None:
+        placements["bias"] = Replicate()
+    return placements
+
+
+def sequence_parallel_placements(module: nn.Module) -> dict[str, Placement]:
+    """Where :func:`sequence_parallel` puts each parameter: replicated, all of them.
+
+    Example::
+
+        >>> sequence_parallel_placements(nn.LayerNorm(8))
+        {'weight': Replicate(), 'bias': Replicate()}
+    """
+    return {name: Replicate() for name, _ in module.named_parameters()}
+
+
+def _distribute_parameters(module, placements, device_mesh, src_data_rank) -> None:
+    for path, placement in placements.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        param = getattr(owner, name)
+        dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
+        owner.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
 
 
 def _redistribute_output(output_layout, use_local_output, module, inputs, output):
@@ -220,9 +268,7 @@ def colwise(
     check_colwise(module, device_mesh, module_path)
     input_layout = input_layouts or Replicate()
     output_layout = output_layouts or Shard(-1)
-    dim = _weight_shard_dim(module, colwise=True)
-    _distribute_parameter(module, "weight", device_mesh, Shard(dim), src_data_rank)
-    _distribute_parameter(module, "bias", device_mesh, Shard(0), src_data_rank)
+    _distribute_parameters(module, colwise_placements(module), device_mesh, src_data_rank)
     module.register_forward_pre_hook(
         partial(
             _sharded_module_input,
@@ -271,9 +317,7 @@ def rowwise(
     desired = Replicate() if is_embedding else Shard(-1)
     input_layout = input_layouts or desired
     output_layout = output_layouts or Replicate()
-    dim = _weight_shard_dim(module, colwise=False)
-    _distribute_parameter(module, "weight", device_mesh, Shard(dim), src_data_rank)
-    _distribute_parameter(module, "bias", device_mesh, Replicate(), src_data_rank)
+    _distribute_parameters(module, rowwise_placements(module), device_mesh, src_data_rank)
     in_features = None if is_embedding else module.in_features
     module.register_forward_pre_hook(
         partial(
@@ -287,17 +331,6 @@ def rowwise(
 
 
 # ------------------------------------------------------------------- sequence parallel
-
-
-def _replicate_parameters(module: nn.Module, device_mesh: DeviceMesh, src_data_rank) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
-        if src_data_rank is None:
-            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
-        else:
-            replicated = distribute_tensor(
-                param, device_mesh, [Replicate()], src_data_rank=src_data_rank
-            )
-        module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
 def _sequence_input(layout, device_mesh, module_path, module, args):
@@ -336,14 +369,70 @@ def sequence_parallel(
         >>> sequence_parallel(model.norm, mesh)   # nn.LayerNorm, nn.RMSNorm, ...
     """
     check_sequence_parallel(module, device_mesh, module_path)
-    _replicate_parameters(module, device_mesh, src_data_rank)
-    for child in module.modules():
-        if child is not module:
-            _replicate_parameters(child, device_mesh, src_data_rank)
+    _distribute_parameters(module, sequence_parallel_placements(module), device_mesh, src_data_rank)
     layout = Shard(sequence_dim)
     module.register_forward_pre_hook(partial(_sequence_input, layout, device_mesh, module_path))
     module.register_forward_hook(partial(_local_output, use_local_output))
     _checks.mark_prepared(module, _BOTH, "SequenceParallel")
+    return module
+
+
+# ------------------------------------------------------------------- replicate
+
+
+def _replicated_inputs(device_mesh, module, args, kwargs):
+    def convert(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+        return value
+
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def _local_outputs(module, inputs, output):
+    if isinstance(output, DTensor):
+        return output.to_local()
+    if isinstance(output, tuple):
+        return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
+    return output
+
+
+def replicate(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    src_data_rank: int | None = 0,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Replicate ``module``'s own parameters as DTensors and run it on replicated inputs.
+
+    This is what ``parallelize_module(..., replicate_unplanned_params=True)`` does to each
+    module the plan leaves out, so every parameter of the model is a DTensor and
+    ``clip_grad_norm_`` / optimizers see one kind of tensor. Plain-tensor inputs are taken
+    to be identical on every rank (``Replicate()``); DTensor inputs pass through; DTensor
+    outputs are handed back as local tensors. Only direct parameters are touched
+    (children are left to their own styles). If another style already converts this
+    module's inputs/outputs, only the parameters are replicated.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> replicate(model.norm, mesh)
+        >>> model.norm.weight.placements
+        (Replicate(),)
+    """
+    _checks.require_1d_mesh(device_mesh, "replicate")
+    placements = {
+        name: Replicate()
+        for name, param in module.named_parameters(recurse=False)
+        if not isinstance(param, DTensor)
+    }
+    _distribute_parameters(module, placements, device_mesh, src_data_rank)
+    if getattr(module, _checks.APPLIED_ATTR, None):
+        return module  # its inputs/outputs are already converted by its style
+    module.register_forward_pre_hook(partial(_replicated_inputs, device_mesh), with_kwargs=True)
+    module.register_forward_hook(_local_outputs)
+    _checks.mark_prepared(module, _BOTH, "replicate")
     return module
 
 

@@ -64,6 +64,10 @@ class ParallelStyle(_upstream.ParallelStyle):
         """Parallelize ``module`` in place and return it."""
         raise NotImplementedError(f"{type(self).__name__} does not implement apply_to")
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Where applying this style puts each parameter of ``module`` (none by default)."""
+        return {}
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # Upstream's entry point: upstream parallelize_module sets self.src_data_rank first.
         return self.apply_to(module, device_mesh, src_data_rank=self.src_data_rank)
@@ -131,6 +135,9 @@ class ColwiseParallel(ParallelStyle):
         self.output_layouts = _single_layout(output_layouts, "output_layouts", "ColwiseParallel") or Shard(-1)
         self.use_local_output = use_local_output
 
+    def param_placements(self, module):
+        return functional.colwise_placements(module)
+
     def check(self, module, device_mesh, module_path=None):
         functional.check_colwise(module, device_mesh, module_path)
 
@@ -180,6 +187,9 @@ class RowwiseParallel(ParallelStyle):
         self.output_layouts = _single_layout(output_layouts, "output_layouts", "RowwiseParallel") or Replicate()
         self.use_local_output = use_local_output
 
+    def param_placements(self, module):
+        return functional.rowwise_placements(module)
+
     def check(self, module, device_mesh, module_path=None):
         functional.check_rowwise(module, device_mesh, module_path)
 
@@ -225,6 +235,9 @@ class SequenceParallel(ParallelStyle):
             raise TypeError(f"SequenceParallel(sequence_dim=...) takes an int, got {sequence_dim!r}")
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
+
+    def param_placements(self, module):
+        return functional.sequence_parallel_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
         functional.check_sequence_parallel(module, device_mesh, module_path)

@@ -5,19 +5,9 @@ Example::
     from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
 """
 
-from torch_tp.testing._dist import (
-    COLLECTIVE_TIMEOUT,
-    RankFailure,
-    assert_comm_counts,
-    comm_counts,
-    mesh_2x2,
-    rank,
-    run_on_ranks,
-    shutdown_pools,
-    tp_mesh,
-    world_size,
-    world_sizes,
-)
+from torch_tp.testing._comm import assert_comm_counts, comm_counts
+from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
+from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",

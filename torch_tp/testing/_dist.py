@@ -24,13 +24,17 @@ Example (in a pytest module; the rank function must be module-level)::
         assert run_on_ranks(_sum_ranks, world_size) == [expected] * world_size
 
 Workers are POSIX processes (they rely on ``SIGUSR1`` for stack dumps).
+
+This module is the parent (pytest) side. What runs inside a worker lives in
+:mod:`torch_tp.testing._rank`, the failure reports' text in
+:mod:`torch_tp.testing._report`, collective counting in
+:mod:`torch_tp.testing._comm`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -40,33 +44,22 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import wait as _wait_for_ready
 from typing import Any, Callable, Iterator, Mapping
 
-import torch
-import torch.distributed as dist
+from torch_tp.testing._rank import _log_path, _stack_path, _worker_main
+from torch_tp.testing._report import (
+    _Reply,
+    _Report,
+    _build_report,
+    _file_size,
+    _read_from,
+    _tail,
+    _wait_for_files_to_settle,
+)
 
 
-__all__ = [
-    "COLLECTIVE_TIMEOUT",
-    "RankFailure",
-    "assert_comm_counts",
-    "comm_counts",
-    "mesh_2x2",
-    "rank",
-    "run_on_ranks",
-    "shutdown_pools",
-    "tp_mesh",
-    "world_size",
-    "world_sizes",
-]
-
-#: Seconds any single collective may block before gloo fails it on its own.
-#: Applies to the default group and to every group created later on a worker
-#: (e.g. the sub-groups of a ``DeviceMesh``).
-COLLECTIVE_TIMEOUT = 60.0
+__all__ = ["RankFailure", "run_on_ranks", "shutdown_pools", "world_sizes"]
 
 #: Default bound, in seconds, on one :func:`run_on_ranks` task.
 DEFAULT_TASK_TIMEOUT = 120.0
@@ -76,9 +69,6 @@ STARTUP_TIMEOUT = 120.0
 
 #: After the first rank fails, how long the other ranks get to answer.
 FAILURE_GRACE = 3.0
-
-#: How many trailing lines of a failing rank's output go into the report.
-LOG_TAIL_LINES = 40
 
 #: Multiprocessing start method for workers. ``forkserver`` (with torch
 #: preloaded in the server) starts a pool several times faster than ``spawn``;
@@ -289,18 +279,6 @@ def _stdio_fds_redirected(path: str) -> Iterator[None]:
             os.close(fd)
 
 
-@dataclass
-class _Reply:
-    """What one rank answered to one request."""
-
-    kind: str  # "ready" | "ok" | "error" | "died"
-    payload: Any = None
-
-    @property
-    def failed(self) -> bool:
-        return self.kind in ("error", "died")
-
-
 class _WorkerPool:
     """``size`` worker processes sharing one gloo process group."""
 
@@ -492,39 +470,10 @@ class _WorkerPool:
 
     def _failure_report(
         self, headline: str, replies: dict[int, _Reply], log_offsets: list[int]
-    ) -> "_Report":
+    ) -> _Report:
         silent = [r for r in range(self.size) if r not in replies]
         stacks = self._dump_stacks(silent)
-        sections = []
-        failed_ranks = []
-        for r in range(self.size):
-            reply = replies.get(r)
-            if reply is not None and not reply.failed:
-                continue
-            failed_ranks.append(r)
-            sections.append(self._rank_section(r, reply, stacks.get(r), log_offsets[r]))
-        summary = _summarize(replies, silent)
-        message = (
-            f"{headline}: {summary}. The pool was killed and will be respawned "
-            f"on the next call.\n" + "\n".join(sections)
-        )
-        return _Report(message, failed_ranks)
-
-    def _rank_section(self, r: int, reply: _Reply | None, stack: str | None, log_offset: int) -> str:
-        if reply is None:
-            title = f"rank {r}: did not answer (still running; Python stack below)"
-            body = stack or "(no stack dump was written)"
-        elif reply.kind == "error":
-            title = f"rank {r}: raised"
-            body = reply.payload
-        else:
-            title = f"rank {r}: worker process died ({_exit_description(reply.payload)})"
-            body = ""
-        parts = [f"===== {title} =====", body.rstrip()]
-        output = _tail(_log_path(self.workdir, r), log_offset)
-        if output:
-            parts.append(f"----- rank {r} output (last {LOG_TAIL_LINES} lines) -----\n{output}")
-        return "\n".join(p for p in parts if p)
+        return _build_report(headline, self.workdir, replies, stacks, log_offsets)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask live ``ranks`` to write their Python stacks; return what they wrote."""
@@ -542,357 +491,6 @@ class _WorkerPool:
         return {r: _read_from(_stack_path(self.workdir, r), off) for r, off in offsets.items()}
 
 
-@dataclass
-class _Report:
-    message: str
-    failed_ranks: list[int]
-
-
-def _summarize(replies: dict[int, _Reply], silent: list[int]) -> str:
-    groups = [
-        ([r for r, reply in sorted(replies.items()) if reply.kind == "error"], "raised"),
-        ([r for r, reply in sorted(replies.items()) if reply.kind == "died"], "died"),
-        (silent, "did not answer"),
-    ]
-    return "; ".join(f"{_ranks_phrase(ranks)} {verb}" for ranks, verb in groups if ranks)
-
-
-def _ranks_phrase(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def _exit_description(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "closed its connection; exit code unknown"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"exit code {exitcode}, killed by {name}"
-    return f"exit code {exitcode}"
-
-
 def _absolute_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _tail(path: str, offset: int) -> str:
-    lines = _read_from(path, offset).rstrip().splitlines()
-    return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
-def _wait_for_files_to_settle(offsets: dict[str, int], limit: float) -> None:
-    """Wait until each file grew past its offset and stopped growing."""
-    deadline = time.monotonic() + limit
-    last = {}
-    while time.monotonic() < deadline:
-        sizes = {path: _file_size(path) for path in offsets}
-        grown = all(sizes[p] > off for p, off in offsets.items())
-        if grown and sizes == last:
-            return
-        last = sizes
-        time.sleep(0.05)
-
-
-def _log_path(workdir: str, r: int) -> str:
-    return os.path.join(workdir, f"rank{r}.log")
-
-
-def _stack_path(workdir: str, r: int) -> str:
-    return os.path.join(workdir, f"rank{r}.stacks")
-
-
-# --------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------
-
-
-def _worker_main(r: int, size: int, workdir: str, conn: Any) -> None:
-    """Entry point of one worker process: set up, join the group, serve tasks."""
-    _redirect_stdio_to(_log_path(workdir, r))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    stacks = open(_stack_path(workdir, r), "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    _init_process_group(r, size, workdir)
-    conn.send(("ready", os.getpid()))
-    _serve_tasks(conn)
-    dist.destroy_process_group()
-
-
-def _redirect_stdio_to(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-        setattr(sys, name, stream)
-
-
-def _init_process_group(r: int, size: int, workdir: str) -> None:
-    if sys.platform.startswith("linux"):
-        # Single host: avoid gloo resolving the hostname to an unreachable address.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT)
-    # Groups created later (DeviceMesh sub-groups, new_group) default to this.
-    from torch.distributed import distributed_c10d
-
-    if hasattr(distributed_c10d, "default_pg_timeout"):
-        distributed_c10d.default_pg_timeout = timeout
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(workdir, 'store')}",
-        rank=r,
-        world_size=size,
-        timeout=timeout,
-    )
-
-
-def _serve_tasks(conn: Any) -> None:
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # parent went away
-            return
-        if message[0] == "stop":
-            return
-        _, sys_path, task = message
-        conn.send(_run_task(sys_path, task))
-
-
-def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
-    _adopt_sys_path(sys_path)
-    torch.manual_seed(0)
-    try:
-        fn, args, kwargs = pickle.loads(task)
-        result = fn(*args, **kwargs)
-    except BaseException:
-        return ("error", _format_exception())
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    try:
-        return ("ok", pickle.dumps(result))
-    except Exception:
-        return (
-            "error",
-            "the return value is not picklable; return plain data or tensors "
-            "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc(),
-        )
-
-
-def _adopt_sys_path(parent_path: list[str]) -> None:
-    """Put the parent's ``sys.path`` first so its modules import the same way."""
-    sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
-
-
-def _format_exception() -> str:
-    """The current exception's traceback, minus the harness's own frame."""
-    exc = sys.exc_info()[1]
-    assert exc is not None and exc.__traceback__ is not None
-    tb = exc.__traceback__.tb_next or exc.__traceback__
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    if isinstance(exc, AssertionError) and not str(exc):  # a bare `assert`
-        text += _innermost_locals(exc.__traceback__)
-    return text
-
-
-def _innermost_locals(tb: Any, limit: int = 200) -> str:
-    """Short reprs of the failing frame's locals (plain asserts carry no values)."""
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return ""
-    lines = []
-    for name, value in tb.tb_frame.f_locals.items():
-        try:
-            text = repr(value)
-        except Exception as exc:  # a broken __repr__ must not hide the failure
-            text = f"<repr failed: {exc!r}>"
-        if len(text) > limit:
-            text = text[:limit] + "..."
-        lines.append(f"    {name} = {text}")
-    return "Locals of the failing frame:\n" + "\n".join(lines) + "\n" if lines else ""
-
-
-# --------------------------------------------------------------------------
-# Rank-side helpers (call these inside a function run by run_on_ranks)
-# --------------------------------------------------------------------------
-
-_MESHES: dict[str, Any] = {}
-
-
-def _require_worker(helper: str) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{helper}() only works inside a function run by run_on_ranks(fn, world_size); "
-            f"no process group is initialized in this process"
-        )
-
-
-def rank() -> int:
-    """This worker's global rank.
-
-    Example:
-        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
-        >>> rank()  # on the second worker
-        1
-    """
-    _require_worker("rank")
-    return dist.get_rank()
-
-
-def world_size() -> int:
-    """Number of ranks in this worker's pool.
-
-    Example:
-        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
-        >>> world_size()  # in a pool started by run_on_ranks(fn, 4)
-        4
-    """
-    _require_worker("world_size")
-    return dist.get_world_size()
-
-
-def tp_mesh() -> Any:
-    """1-D ``DeviceMesh`` named ``("tp",)`` over all ranks, cached per worker.
-
-    Example:
-        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
-        >>> t = distribute_tensor(torch.ones(4, 4), tp_mesh(), [Shard(0)])
-        >>> t.to_local().shape  # with 2 ranks
-        torch.Size([2, 4])
-    """
-    _require_worker("tp_mesh")
-    if "tp" not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES["tp"] = init_device_mesh(
-            "cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)
-        )
-    return _MESHES["tp"]
-
-
-def mesh_2x2() -> Any:
-    """2-D ``DeviceMesh`` of shape (2, 2) named ``("dp", "tp")``, cached per worker.
-
-    Only valid with 4 ranks; rows ``{0, 1}`` and ``{2, 3}`` are the "tp" groups.
-
-    Example:
-        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks(fn, 4)")
-        >>> mesh_2x2()["tp"].get_local_rank()  # on global rank 3
-        1
-    """
-    _require_worker("mesh_2x2")
-    if dist.get_world_size() != 4:
-        raise RuntimeError(
-            f"mesh_2x2() needs world_size 4, but this pool has "
-            f"{dist.get_world_size()} ranks; run the test with run_on_ranks(fn, 4)"
-        )
-    if "2x2" not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES["2x2"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return _MESHES["2x2"]
-
-
-# --------------------------------------------------------------------------
-# Communication counting
-# --------------------------------------------------------------------------
-
-# In-place c10d ops (what torch.distributed.* calls dispatch to) -> the
-# functional-collective name for the same communication.
-_C10D_TO_FUNCTIONAL = {
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce_coalesced",
-    "_allgather_base_": "all_gather_into_tensor",
-    "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
-    "allgather_": "all_gather",
-    "allgather_coalesced_": "all_gather_coalesced",
-    "_reduce_scatter_base_": "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
-    "reduce_scatter_": "reduce_scatter",
-    "alltoall_base_": "all_to_all_single",
-    "alltoall_": "all_to_all",
-    "broadcast_": "broadcast",
-    "gather_": "gather",
-    "scatter_": "scatter",
-    "reduce_": "reduce",
-}
-
-
-def _collective_name(key: Any) -> str:
-    """Short name of a collective given as an op packet, op overload or string."""
-    if isinstance(key, str):
-        parts = key.rsplit("::", 1)[-1].split(".")  # "c10d_functional.all_reduce"
-        if len(parts) > 1 and parts[-1] == "default":  # "all_reduce.default"
-            parts.pop()
-        name = parts[-1]
-    else:
-        packet = getattr(key, "_overloadpacket", key)
-        name = getattr(packet, "__name__", None) or str(key)
-    return _C10D_TO_FUNCTIONAL.get(name, name)
-
-
-def _normalize_counts(counts: Mapping[Any, int]) -> dict[str, int]:
-    normalized: dict[str, int] = {}
-    for key, count in counts.items():
-        name = _collective_name(key)
-        normalized[name] = normalized.get(name, 0) + int(count)
-    return {name: count for name, count in sorted(normalized.items()) if count}
-
-
-def comm_counts(mode: Any) -> dict[str, int]:
-    """``{short_collective_name: count}`` from a ``CommDebugMode``.
-
-    Example:
-        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
-        >>> with CommDebugMode() as mode:
-        ...     sharded.redistribute(tp_mesh(), [Replicate()])
-        >>> comm_counts(mode)
-        {'all_gather_into_tensor': 1}
-    """
-    return _normalize_counts(mode.get_comm_counts())
-
-
-def assert_comm_counts(counts: Mapping[Any, int], expected: Mapping[Any, int], what: str) -> None:
-    """Assert collective counts match; keys may be op packets or short names.
-
-    Zero counts are ignored on both sides, so ``{"all_reduce": 0}`` means
-    "no all_reduce". Raises ``AssertionError`` showing both dicts.
-
-    Example:
-        >>> assert_comm_counts({"all_reduce": 1}, {"all_reduce": 1, "broadcast": 0}, "row-wise")
-        >>> assert_comm_counts({"all_reduce": 2}, {"all_reduce": 1}, "row-wise")
-        Traceback (most recent call last):
-        AssertionError: row-wise: collective counts differ...
-    """
-    actual = _normalize_counts(counts)
-    wanted = _normalize_counts(expected)
-    if actual != wanted:
-        raise AssertionError(
-            f"{what}: collective counts differ\n  expected: {wanted}\n  actual:   {actual}"
-        )

@@ -1,0 +1,88 @@
+"""Collective counting for distributed tests: :func:`comm_counts` and
+:func:`assert_comm_counts`.
+
+Collectives may be given as op packets, op overloads or names, of the
+in-place c10d ops or of the functional collectives; they are normalized to one
+short functional-collective name per communication (e.g. ``"all_reduce"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+__all__ = ["assert_comm_counts", "comm_counts"]
+
+# In-place c10d ops (what torch.distributed.* calls dispatch to) -> the
+# functional-collective name for the same communication.
+_C10D_TO_FUNCTIONAL = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce_coalesced",
+    "_allgather_base_": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather_coalesced",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_": "reduce_scatter",
+    "alltoall_base_": "all_to_all_single",
+    "alltoall_": "all_to_all",
+    "broadcast_": "broadcast",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "reduce_": "reduce",
+}
+
+
+def _collective_name(key: Any) -> str:
+    """Short name of a collective given as an op packet, op overload or string."""
+    if isinstance(key, str):
+        parts = key.rsplit("::", 1)[-1].split(".")  # "c10d_functional.all_reduce"
+        if len(parts) > 1 and parts[-1] == "default":  # "all_reduce.default"
+            parts.pop()
+        name = parts[-1]
+    else:
+        packet = getattr(key, "_overloadpacket", key)
+        name = getattr(packet, "__name__", None) or str(key)
+    return _C10D_TO_FUNCTIONAL.get(name, name)
+
+
+def _normalize_counts(counts: Mapping[Any, int]) -> dict[str, int]:
+    normalized: dict[str, int] = {}
+    for key, count in counts.items():
+        name = _collective_name(key)
+        normalized[name] = normalized.get(name, 0) + int(count)
+    return {name: count for name, count in sorted(normalized.items()) if count}
+
+
+def comm_counts(mode: Any) -> dict[str, int]:
+    """``{short_collective_name: count}`` from a ``CommDebugMode``.
+
+    Example:
+        >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
+        >>> with CommDebugMode() as mode:
+        ...     sharded.redistribute(tp_mesh(), [Replicate()])
+        >>> comm_counts(mode)
+        {'all_gather_into_tensor': 1}
+    """
+    return _normalize_counts(mode.get_comm_counts())
+
+
+def assert_comm_counts(counts: Mapping[Any, int], expected: Mapping[Any, int], what: str) -> None:
+    """Assert collective counts match; keys may be op packets or short names.
+
+    Zero counts are ignored on both sides, so ``{"all_reduce": 0}`` means
+    "no all_reduce". Raises ``AssertionError`` showing both dicts.
+
+    Example:
+        >>> assert_comm_counts({"all_reduce": 1}, {"all_reduce": 1, "broadcast": 0}, "row-wise")
+        >>> assert_comm_counts({"all_reduce": 2}, {"all_reduce": 1}, "row-wise")
+        Traceback (most recent call last):
+        AssertionError: row-wise: collective counts differ...
+    """
+    actual = _normalize_counts(counts)
+    wanted = _normalize_counts(expected)
+    if actual != wanted:
+        raise AssertionError(
+            f"{what}: collective counts differ\n  expected: {wanted}\n  actual:   {actual}"
+        )
