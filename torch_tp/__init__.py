@@ -18,6 +18,7 @@ from torch_tp.parallel import (
     RowwiseParallel,
     SequenceParallel,
     explain_plan,
+    init_parameters,
     parallelize_module,
 )
 
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "parallelize_module",
     "explain_plan",
+    "init_parameters",
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",

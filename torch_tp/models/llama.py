@@ -91,6 +91,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -202,6 +205,12 @@ class Transformer(nn.Module):
         self.register_buffer(
             "rope", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
         )
+
+    def reset_parameters(self) -> None:
+        """Recompute the rotary table (a model built on ``meta`` has none until this runs)."""
+        args = self.args
+        with torch.no_grad():
+            self.rope.copy_(rotary_table(args.head_dim, args.max_seq_len, args.rope_theta))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
