@@ -21,6 +21,9 @@ PUBLIC_MODULES = [
     "torch_tp.models.llama",
     "torch_tp.testing",
     "torch_tp.launch",
+    "torch_tp.functional",
+    "torch_tp.parallel.explain",
+    "torch_tp.parallel.init",
     "torch_tp.demo",
 ]
 

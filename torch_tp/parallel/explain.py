@@ -207,6 +207,8 @@ def explain_plan(
         if name not in covered:
             owner, _, leaf = name.rpartition(".")
             rows.append(_param_row(owner, leaf, param, "-", rest, num_ranks))
+    position = {path: i for i, (path, _) in enumerate(module.named_modules())}
+    rows.sort(key=lambda row: position[row.module_path])  # model order; stable within a module
     return PlanReport(num_ranks, rows)
 
 
