@@ -24,6 +24,7 @@ PUBLIC_MODULES = [
     "torch_tp.functional",
     "torch_tp.parallel.explain",
     "torch_tp.parallel.init",
+    "torch_tp.parallel.rules",
     "torch_tp.demo",
 ]
 

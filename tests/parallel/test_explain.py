@@ -1,6 +1,5 @@
 """explain_plan: rows for every matched path, shapes and bytes per rank, flags; nothing changes."""
 
-import copy
 
 import pytest
 import torch

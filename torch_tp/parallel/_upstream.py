@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch.distributed.tensor.parallel import style as upstream
 
-from torch_tp.parallel import _checks, functional
+from torch_tp.parallel import _checks, rules
 from torch_tp.parallel.style import ParallelStyle
 
 __all__: list[str] = []
@@ -34,11 +34,11 @@ class _Rule:
 # What upstream's _apply would reject, which forward stages it converts, and where it
 # puts parameters (the same places as torch_tp's styles of the same name).
 _RULES: dict[type, _Rule] = {
-    upstream.ColwiseParallel: _Rule(functional.check_colwise, _BOTH, functional.colwise_placements),
-    upstream.RowwiseParallel: _Rule(functional.check_rowwise, _BOTH, functional.rowwise_placements),
-    upstream.SequenceParallel: _Rule(None, _BOTH, functional.sequence_parallel_placements),
-    upstream.PrepareModuleInput: _Rule(functional.check_prepare_input, ("input",), None),
-    upstream.PrepareModuleOutput: _Rule(functional.check_prepare_output, ("output",), None),
+    upstream.ColwiseParallel: _Rule(rules.check_colwise, _BOTH, rules.colwise_placements),
+    upstream.RowwiseParallel: _Rule(rules.check_rowwise, _BOTH, rules.rowwise_placements),
+    upstream.SequenceParallel: _Rule(None, _BOTH, rules.sequence_parallel_placements),
+    upstream.PrepareModuleInput: _Rule(rules.check_prepare_input, ("input",), None),
+    upstream.PrepareModuleOutput: _Rule(rules.check_prepare_output, ("output",), None),
     upstream.PrepareModuleInputOutput: _Rule(None, _BOTH, None),
 }
 _UNKNOWN = _Rule(None, (), None)

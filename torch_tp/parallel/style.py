@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import style as _upstream
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp.parallel import _checks, functional
+from torch_tp.parallel import _checks, functional, rules
 from torch_tp.parallel._layouts import check_same_length, normalize_layouts
 
 __all__ = [
@@ -136,10 +136,10 @@ class ColwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def param_placements(self, module):
-        return functional.colwise_placements(module)
+        return rules.colwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_colwise(module, device_mesh, module_path)
+        rules.check_colwise(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.colwise(
@@ -188,10 +188,10 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def param_placements(self, module):
-        return functional.rowwise_placements(module)
+        return rules.rowwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_rowwise(module, device_mesh, module_path)
+        rules.check_rowwise(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.rowwise(
@@ -237,10 +237,10 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def param_placements(self, module):
-        return functional.sequence_parallel_placements(module)
+        return rules.sequence_parallel_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_sequence_parallel(module, device_mesh, module_path)
+        rules.check_sequence_parallel(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.sequence_parallel(
@@ -304,7 +304,7 @@ class PrepareModuleInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_prepare_input(module, device_mesh, module_path)
+        rules.check_prepare_input(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_input(
@@ -355,7 +355,7 @@ class PrepareModuleOutput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_prepare_output(module, device_mesh, module_path)
+        rules.check_prepare_output(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_output(
@@ -431,8 +431,8 @@ class PrepareModuleInputOutput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def check(self, module, device_mesh, module_path=None):
-        functional.check_prepare_input(module, device_mesh, module_path)
-        functional.check_prepare_output(module, device_mesh, module_path)
+        rules.check_prepare_input(module, device_mesh, module_path)
+        rules.check_prepare_output(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.prepare_input_output(
