@@ -79,6 +79,8 @@ def _redistribute_output(output_layout, use_local_output, module, inputs, output
 def _sharded_module_input(
     device_mesh, input_layout, desired_layout, sharded_dim_size, module_path, style, module, args
 ):
+    if args and isinstance(args[0], DTensor) and args[0].placements == (desired_layout,):
+        return None  # already in place (e.g. after PrepareModuleInput): leave the args as they are
     if not args:
         raise TypeError(f"{style} on {_checks.describe(module, module_path)} got no input")
     x = _checks.require_tensor_input(args[0], "0", module, module_path, style, _TENSOR_INPUT_FIX)

@@ -1,0 +1,716 @@
+"""Compare torch_tp with upstream ``torch.distributed.tensor.parallel`` on one Llama block.
+
+Command (spawns gloo CPU ranks, world size 2 then 4, and prints one table)::
+
+    python3 benchmarks/compare_upstream.py                   # sizes small and tiny, ~2 min
+    python3 benchmarks/compare_upstream.py --iters 100       # more timed rounds
+    python3 benchmarks/compare_upstream.py --quick           # tiny size, few rounds (smoke test)
+    python3 benchmarks/compare_upstream.py --hook-breakdown  # also: hook CPU by style
+
+``--world-sizes 2`` runs one world size. Under ``torchrun --nproc-per-node N
+benchmarks/compare_upstream.py`` the launcher's ranks are used once (world size N).
+
+Every variant parallelizes a copy of the same :class:`torch_tp.models.llama.TransformerBlock`
+(same weights) and runs it on the same input:
+
+``torch_tp``
+    ``torch_tp.parallelize_module`` with ``block_tensor_parallel_plan(sequence_parallel=...)``.
+``upstream-same``
+    upstream ``parallelize_module`` with the same plan written in upstream's styles
+    (``PrepareModuleInput`` on ``attention`` / ``feed_forward``, Colwise, Rowwise, and
+    ``SequenceParallel`` on the norms for TP+SP).
+``upstream-usual``
+    upstream ``parallelize_module`` with the usual plan: ``wq``/``wk``/``wv``/``w1``/``w3``
+    Colwise, ``wo``/``w2`` Rowwise, no ``PrepareModuleInput`` (TP only).
+
+Before anything is timed, every variant's output and input gradient are checked against
+the single-process block, and torch_tp's against upstream-same's (``assert_close``), so the
+variants compared do equal work.
+
+Columns of the table:
+
+``world``       number of ranks.
+``size``        ``small``: dim 256, 8 heads, ffn 688, batch 4, seq 128 (compute-bound);
+                ``tiny``: dim 32, 4 heads, ffn 88, batch 2, seq 16 (compute is negligible,
+                so hooks, DTensor dispatch and collective latency dominate).
+``variant``     see above.
+``mode``        ``TP``: activations between blocks replicated; ``TP+SP``: sharded on the
+                sequence dim, norms run on sequence shards.
+``fwd comms``   collectives issued by one forward, counted with ``CommDebugMode``:
+                ``AR`` all_reduce, ``AG`` all_gather_into_tensor, ``RS`` reduce_scatter_tensor.
+``fwd KiB``     bytes of the tensors this rank hands *to* those collectives (the input
+                side: the whole tensor for an all-reduce or a reduce-scatter, the local
+                shard for an all-gather), in KiB.
+``f+b comms``, ``f+b KiB``   the same for one forward plus its backward.
+``param KiB``   parameter bytes held by one rank (local shards of DTensor parameters).
+``step ms``     median wall time of one eager forward+backward on rank 0. Variants are
+                interleaved run by run (the order rotates each round) after a warm-up,
+                every rank runs the same steps, and a barrier precedes each timed step.
+``p25-p75``     interquartile range of those wall times.
+``CPU ms``      median CPU time of rank 0's main thread over the same steps. On CPU,
+                autograd runs backward in the calling thread and gloo moves data on its
+                own threads, so this is compute plus Python/dispatch cost without the
+                time spent waiting for other ranks: far less noisy than wall time when
+                ranks share cores. (On CUDA, backward runs on autograd's device thread,
+                so there it covers the forward's host work only.)
+``hook µs``     main-thread CPU time spent inside the modules' forward hooks and
+                pre-hooks (the styles' input/output conversion, including issuing
+                collectives) per step, mean over separate rounds with timed wrappers.
+
+Below the table, the *hook overhead ratio* is torch_tp / upstream-same for each of the
+three times, per world size, size and mode: same plan, same collectives, so a difference
+is what the two libraries' hooks and style code cost. ``--hook-breakdown`` splits
+``hook µs`` by style and side (``ColwiseParallel pre``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import parallel as upstream
+from torch.distributed.tensor.debug import CommDebugMode
+
+import torch_tp
+from torch_tp.launch import launch, launched_by_torchrun, rank_device
+from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_parallel_plan, rotary_table
+
+# ------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class BlockSize:
+    """One block shape to benchmark."""
+
+    name: str
+    dim: int
+    n_heads: int
+    ffn_hidden: int
+    batch: int
+    seq: int
+
+    def model_args(self) -> ModelArgs:
+        return ModelArgs(
+            dim=self.dim, n_layers=1, n_heads=self.n_heads, ffn_hidden=self.ffn_hidden,
+            max_seq_len=self.seq,
+        )
+
+
+SIZES = {
+    "small": BlockSize("small", dim=256, n_heads=8, ffn_hidden=688, batch=4, seq=128),
+    "tiny": BlockSize("tiny", dim=32, n_heads=4, ffn_hidden=88, batch=2, seq=16),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A library, a plan and a mode: one row of the table per world size and block size."""
+
+    name: str
+    sequence_parallel: bool
+
+    @property
+    def mode(self) -> str:
+        return "TP+SP" if self.sequence_parallel else "TP"
+
+
+VARIANTS = (
+    Variant("torch_tp", False),
+    Variant("upstream-same", False),
+    Variant("upstream-usual", False),
+    Variant("torch_tp", True),
+    Variant("upstream-same", True),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank needs to know (picklable: it travels to spawned ranks)."""
+
+    sizes: tuple[str, ...]
+    iters: int
+    warmup: int
+    hook_rounds: int
+    result_path: str
+
+
+# ------------------------------------------------------------------------------- plans
+
+
+def upstream_same_plan(*, sequence_parallel: bool) -> dict[str, upstream.ParallelStyle]:
+    """torch_tp's ``block_tensor_parallel_plan`` written with upstream's styles."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, upstream.ParallelStyle] = {
+        "attention": upstream.PrepareModuleInput(
+            input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.w[kqv]": upstream.ColwiseParallel(),
+        "attention.wo": upstream.RowwiseParallel(output_layouts=between),
+        "feed_forward": upstream.PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w[13]": upstream.ColwiseParallel(),
+        "feed_forward.w2": upstream.RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = upstream.SequenceParallel()
+        plan["ffn_norm"] = upstream.SequenceParallel()
+    _require_same_shape_of_plan(plan, block_tensor_parallel_plan(sequence_parallel=sequence_parallel))
+    return plan
+
+
+def _require_same_shape_of_plan(upstream_plan: dict, torch_tp_plan: dict) -> None:
+    """Fail loudly if torch_tp's documented plan changed and this copy did not follow."""
+    ours = {key: type(style).__name__ for key, style in torch_tp_plan.items()}
+    theirs = {key: type(style).__name__ for key, style in upstream_plan.items()}
+    if ours != theirs:
+        raise AssertionError(f"upstream-same plan {theirs} no longer mirrors torch_tp's {ours}")
+
+
+def upstream_usual_plan() -> dict[str, upstream.ParallelStyle]:
+    """The plan usually written for a Llama block with upstream's styles (plain TP)."""
+    return {
+        "attention.wq": upstream.ColwiseParallel(),
+        "attention.wk": upstream.ColwiseParallel(),
+        "attention.wv": upstream.ColwiseParallel(),
+        "attention.wo": upstream.RowwiseParallel(),
+        "feed_forward.w1": upstream.ColwiseParallel(),
+        "feed_forward.w3": upstream.ColwiseParallel(),
+        "feed_forward.w2": upstream.RowwiseParallel(),
+    }
+
+
+def plan_for(variant: Variant) -> dict[str, upstream.ParallelStyle]:
+    """The plan ``variant`` applies to one block."""
+    sp = variant.sequence_parallel
+    if variant.name == "torch_tp":
+        return block_tensor_parallel_plan(sequence_parallel=sp)
+    if variant.name == "upstream-same":
+        return upstream_same_plan(sequence_parallel=sp)
+    if variant.name == "upstream-usual":
+        return upstream_usual_plan()
+    raise ValueError(f"unknown variant {variant.name!r}")
+
+
+def parallelize(variant: Variant, block: TransformerBlock, mesh: DeviceMesh) -> TransformerBlock:
+    """Apply ``variant``'s library and plan to ``block`` (in place) and return it."""
+    library = torch_tp if variant.name == "torch_tp" else upstream
+    return library.parallelize_module(block, mesh, plan_for(variant))
+
+
+def style_name_of(path: str, plan: dict[str, upstream.ParallelStyle]) -> str:
+    """Name of the style ``plan`` gives the module at ``path`` (keys are globs)."""
+    for key, style in plan.items():
+        if fnmatch.fnmatchcase(path, key):
+            return type(style).__name__
+    return "none"
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class BlockInputs:
+    """The global input of one size, and this rank's view of it for a TP or TP+SP block."""
+
+    x: torch.Tensor
+    rope: torch.Tensor
+
+    def local_x(self, sequence_parallel: bool) -> torch.Tensor:
+        """A fresh leaf (``requires_grad``): the whole input, or this rank's sequence shard."""
+        x = self.x
+        if sequence_parallel:
+            x = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
+        return x.detach().clone().requires_grad_(True)
+
+    def local_view(self, full: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """What a rank holds of a full-sequence tensor in this mode."""
+        if not sequence_parallel:
+            return full
+        return full.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
+
+
+def make_inputs(size: BlockSize, device: torch.device) -> BlockInputs:
+    """Same input on every rank (seeded), and the rotary table of ``size``."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(size.batch, size.seq, size.dim, generator=generator)
+    args = size.model_args()
+    return BlockInputs(x.to(device), rotary_table(args.head_dim, size.seq, args.rope_theta).to(device))
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def forward_backward(block: TransformerBlock, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """One training step's compute: forward, then backward of ``sum(output)``."""
+    out = block(x, rope)
+    out.sum().backward()
+    return out
+
+
+def run_step(block: TransformerBlock, x: torch.Tensor, rope: torch.Tensor) -> None:
+    """:func:`forward_backward` with gradients cleared first (what is timed)."""
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    forward_backward(block, x, rope)
+
+
+# ---------------------------------------------------------------------- equal work check
+
+
+def check_agreement(blocks: dict[Variant, TransformerBlock], reference: TransformerBlock,
+                    inputs: BlockInputs) -> None:
+    """Every variant matches the single-process block; torch_tp matches upstream-same.
+
+    Output and input gradient are compared with the single-process block (float32
+    tolerances for a different summation order). torch_tp and upstream-same run the same
+    plan, so their outputs, input gradients and local parameter-gradient shards must
+    agree to ``assert_close``'s default float32 tolerance.
+    """
+    x_ref = inputs.x.detach().clone().requires_grad_(True)
+    ref_out = forward_backward(reference, x_ref, inputs.rope).detach()
+    results = {}
+    for variant, block in blocks.items():
+        sp = variant.sequence_parallel
+        x = inputs.local_x(sp)
+        out = forward_backward(block, x, inputs.rope).detach()
+        what = f"{variant.name} {variant.mode}"
+        torch.testing.assert_close(out, inputs.local_view(ref_out, sp), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{what} output vs single process: {m}")
+        torch.testing.assert_close(x.grad, inputs.local_view(x_ref.grad, sp), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{what} input grad vs single process: {m}")
+        results[variant] = {"output": out, "input grad": x.grad, **local_grads(block)}
+        block.zero_grad(set_to_none=True)
+    for sp in (False, True):
+        ours, theirs = results[Variant("torch_tp", sp)], results[Variant("upstream-same", sp)]
+        torch.testing.assert_close(ours, theirs, msg=lambda m: f"torch_tp vs upstream-same: {m}")
+
+
+def local_grads(block: TransformerBlock) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter gradient, by parameter name."""
+    return {
+        name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for name, p in block.named_parameters()
+    }
+
+
+# -------------------------------------------------------------------------- collectives
+
+
+class CollectiveBytesMode(CommDebugMode):
+    """``CommDebugMode`` that also sums the bytes of each collective's input tensor(s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_bytes = 0
+
+    def __enter__(self):
+        self.input_bytes = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.get_total_counts()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.get_total_counts() > before:  # CommDebugMode counted a collective
+            self.input_bytes += tensor_bytes(args[0])
+        return out
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of a tensor, or of every tensor in a list (coalesced collectives)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
+
+
+def short_counts(mode: CommDebugMode) -> dict[str, int]:
+    """``{"all_reduce": 2, ...}`` from a CommDebugMode."""
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = getattr(op, "_qualified_op_name", str(op)).split("::")[-1]
+        counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Per-collective sum of two count dicts."""
+    return {name: a.get(name, 0) + b.get(name, 0) for name in sorted({*a, *b})}
+
+
+def measure_collectives(block: TransformerBlock, x: torch.Tensor, rope: torch.Tensor) -> dict:
+    """Collective counts and input bytes of one forward, and of forward + backward."""
+    with CollectiveBytesMode() as forward_mode:
+        out = block(x, rope)
+    with CollectiveBytesMode() as backward_mode:
+        out.sum().backward()
+    block.zero_grad(set_to_none=True)
+    forward = short_counts(forward_mode)
+    return {
+        "fwd_counts": forward,
+        "fwd_bytes": forward_mode.input_bytes,
+        "total_counts": add_counts(forward, short_counts(backward_mode)),
+        "total_bytes": forward_mode.input_bytes + backward_mode.input_bytes,
+    }
+
+
+def local_parameter_bytes(block: TransformerBlock) -> int:
+    """Bytes of the parameters this rank holds (the local shard of a DTensor parameter)."""
+    total = 0
+    for param in block.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += tensor_bytes(local)
+    return total
+
+
+# --------------------------------------------------------------------------- hook cost
+
+
+class HookCPUTimer:
+    """Wraps every forward (pre-)hook of a block to add up its main-thread CPU time.
+
+    Times are keyed by ``"<style> pre"`` / ``"<style> post"`` (the style the plan gives
+    the hooked module). Hooks are found in ``nn.Module``'s hook dicts, where both
+    libraries register them; :meth:`remove` puts the original hooks back.
+    """
+
+    def __init__(self, block: TransformerBlock, plan: dict[str, upstream.ParallelStyle]):
+        self.ns: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self._originals = []
+        for path, module in block.named_modules():
+            style = style_name_of(path, plan)
+            for side, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
+                for hook_id, hook in list(hooks.items()):
+                    hooks[hook_id] = self._timed(hook, f"{style} {side}")
+                    self._originals.append((hooks, hook_id, hook))
+
+    def _timed(self, hook: Callable, key: str) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.ns[key] += time.thread_time_ns() - start
+                self.calls[key] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.ns.clear()
+        self.calls.clear()
+
+    def remove(self) -> None:
+        for hooks, hook_id, hook in self._originals:
+            hooks[hook_id] = hook
+
+
+def measure_hook_cpu(steps: dict[Variant, Callable[[], None]], blocks: dict[Variant, TransformerBlock],
+                     rounds: int) -> dict[Variant, dict]:
+    """Forward-hook CPU µs per step of each variant, in total and by style and side."""
+    timers = {variant: HookCPUTimer(blocks[variant], plan_for(variant)) for variant in blocks}
+    try:
+        run_rounds(steps, 1)  # the wrappers' own first calls
+        for timer in timers.values():
+            timer.reset()
+        run_rounds(steps, rounds)
+    finally:
+        for timer in timers.values():
+            timer.remove()
+    return {
+        variant: {
+            "hook_us": sum(timer.ns.values()) / rounds / 1e3,
+            "hook_breakdown": {
+                key: (timer.ns[key] / rounds / 1e3, timer.calls[key] / rounds) for key in sorted(timer.ns)
+            },
+        }
+        for variant, timer in timers.items()
+    }
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def rotated(items: list, shift: int) -> list:
+    """``items`` rotated left by ``shift`` (the order of variants in one round)."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def timed_step(step: Callable[[], None]) -> tuple[float, float]:
+    """Wall and main-thread CPU seconds of one step on this rank, started after a barrier.
+
+    On CPU the autograd engine runs backward in the calling thread and gloo moves data on
+    its own threads, so the main thread's CPU time is the step's compute plus the Python
+    and dispatch cost of hooks and DTensor, without time spent waiting for other ranks.
+    (On CUDA, backward runs on an autograd device thread: CPU time covers the forward.)
+    """
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    step()
+    if rank_device().type == "cuda":
+        torch.cuda.synchronize()  # kernels run asynchronously: wait for this step's
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def run_rounds(steps: dict[Variant, Callable[[], None]], rounds: int) -> None:
+    """Run every step ``rounds`` times, alternating variants in a rotating order."""
+    order = list(steps)
+    for round_ in range(rounds):
+        for variant in rotated(order, round_):
+            steps[variant]()
+
+
+def time_interleaved(
+    steps: dict[Variant, Callable[[], None]], iters: int, warmup: int
+) -> dict[Variant, list[tuple[float, float]]]:
+    """Run ``warmup`` rounds, then time ``iters`` rounds, alternating variants.
+
+    Each round runs every variant once, in an order rotated by one each round, so that
+    machine noise (and any benefit of following a particular variant) hits all alike.
+    """
+    run_rounds(steps, warmup)
+    order = list(steps)
+    times: dict[Variant, list[tuple[float, float]]] = {variant: [] for variant in order}
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(iters):
+            for variant in rotated(order, round_):
+                times[variant].append(timed_step(steps[variant]))
+    finally:
+        gc.enable()
+    return times
+
+
+# ----------------------------------------------------------------------- per-rank driver
+
+
+def measure_size(size: BlockSize, mesh: DeviceMesh, config: Config) -> list[dict]:
+    """All rows of one block size on this world size (every rank computes them)."""
+    device = rank_device()
+    torch.manual_seed(0)
+    reference = TransformerBlock(size.model_args()).to(device)
+    inputs = make_inputs(size, device)
+    blocks = {variant: parallelize(variant, copy.deepcopy(reference), mesh) for variant in VARIANTS}
+    check_agreement(blocks, reference, inputs)
+
+    xs = {variant: inputs.local_x(variant.sequence_parallel) for variant in VARIANTS}
+    comms = {variant: measure_collectives(blocks[variant], xs[variant], inputs.rope) for variant in VARIANTS}
+    steps = {
+        variant: (lambda b=blocks[variant], x=xs[variant]: run_step(b, x, inputs.rope))
+        for variant in VARIANTS
+    }
+    times = time_interleaved(steps, config.iters, config.warmup)
+    hooks = measure_hook_cpu(steps, blocks, config.hook_rounds)
+    return [
+        {
+            "world": dist.get_world_size(),
+            "size": size.name,
+            "variant": variant.name,
+            "mode": variant.mode,
+            **comms[variant],
+            "param_bytes": local_parameter_bytes(blocks[variant]),
+            "wall_s": [wall for wall, _ in times[variant]],
+            "cpu_s": [cpu for _, cpu in times[variant]],
+            **hooks[variant],
+        }
+        for variant in VARIANTS
+    ]
+
+
+def rank_main(config: Config) -> None:
+    """Entry point on every rank: measure every size, rank 0 writes the rows as JSON."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(rank_device().type, (world,), mesh_dim_names=("tp",))["tp"]
+    rows = []
+    for name in config.sizes:
+        rows += measure_size(SIZES[name], mesh, config)
+    if dist.get_rank() == 0:
+        with open(config.result_path, "w") as f:
+            json.dump(rows, f)
+
+
+# ------------------------------------------------------------------------------ report
+
+COLLECTIVE_ABBREVIATIONS = {
+    "all_reduce": "AR",
+    "all_gather_into_tensor": "AG",
+    "reduce_scatter_tensor": "RS",
+}
+
+COLUMNS = ("world", "size", "variant", "mode", "fwd comms", "fwd KiB", "f+b comms", "f+b KiB",
+           "param KiB", "step ms", "p25-p75", "CPU ms", "hook µs")
+
+
+def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Aligned Markdown table: readable in a terminal, pasteable into docs."""
+    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
+
+    def line(values):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), separator, *(line(r) for r in rows)])
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """``{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}`` -> ``"2AG+2RS"``."""
+    parts = [f"{n}{COLLECTIVE_ABBREVIATIONS.get(name, name)}" for name, n in sorted(counts.items()) if n]
+    return "+".join(parts) or "0"
+
+
+def median_ms(row: dict, metric: str = "wall_s") -> float:
+    """Median of ``row[metric]`` (``"wall_s"`` or ``"cpu_s"``) in milliseconds."""
+    return statistics.median(row[metric]) * 1e3
+
+
+def table_cells(row: dict) -> tuple[str, ...]:
+    q1, _, q3 = statistics.quantiles(row["wall_s"], n=4)
+    return (
+        str(row["world"]), row["size"], row["variant"], row["mode"],
+        format_counts(row["fwd_counts"]), f"{row['fwd_bytes'] / 1024:.1f}",
+        format_counts(row["total_counts"]), f"{row['total_bytes'] / 1024:.1f}",
+        f"{row['param_bytes'] / 1024:.1f}", f"{median_ms(row):.2f}",
+        f"{q1 * 1e3:.2f}-{q3 * 1e3:.2f}", f"{median_ms(row, 'cpu_s'):.2f}", f"{row['hook_us']:.0f}",
+    )
+
+
+def same_plan_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """``(torch_tp row, upstream-same row)`` for every world size, block size and mode."""
+    by_key = {(r["world"], r["size"], r["mode"], r["variant"]): r for r in rows}
+    return [
+        (row, by_key[(world, size, mode, "upstream-same")])
+        for (world, size, mode, variant), row in by_key.items()
+        if variant == "torch_tp"
+    ]
+
+
+def format_ratios(rows: list[dict]) -> str:
+    """Hook overhead ratios: torch_tp / upstream-same for step time, CPU time and hook CPU."""
+    header = ("world", "size", "mode", "step ms ratio", "CPU ms ratio", "hook µs ratio")
+    cells = [
+        (str(ours["world"]), ours["size"], ours["mode"],
+         f"{median_ms(ours) / median_ms(same):.3f}",
+         f"{median_ms(ours, 'cpu_s') / median_ms(same, 'cpu_s'):.3f}",
+         f"{ours['hook_us'] / same['hook_us']:.3f}")
+        for ours, same in same_plan_pairs(rows)
+    ]
+    return "hook overhead ratio = torch_tp / upstream-same (medians; hook µs: means)\n" + markdown_table(header, cells)
+
+
+def format_hook_breakdown(rows: list[dict]) -> str:
+    """Forward-hook CPU by style and side, torch_tp next to upstream-same."""
+    header = ("world", "size", "mode", "hook", "calls", "torch_tp µs", "upstream-same µs", "difference µs")
+    cells = []
+    for ours, same in same_plan_pairs(rows):
+        for key in sorted({*ours["hook_breakdown"], *same["hook_breakdown"]}):
+            us_ours, calls = ours["hook_breakdown"].get(key, (0.0, 0))
+            us_same, _ = same["hook_breakdown"].get(key, (0.0, 0))
+            cells.append((str(ours["world"]), ours["size"], ours["mode"], key, f"{calls:g}",
+                          f"{us_ours:.1f}", f"{us_same:.1f}", f"{us_ours - us_same:+.1f}"))
+    return "forward-hook CPU per step, by style and side\n" + markdown_table(header, cells)
+
+
+def format_report(rows: list[dict], options: argparse.Namespace, sizes: tuple[str, ...]) -> str:
+    backend = "nccl" if rank_device().type == "cuda" else "gloo"
+    described = "; ".join(
+        f"{s}: dim {SIZES[s].dim}, {SIZES[s].n_heads} heads, ffn {SIZES[s].ffn_hidden}, "
+        f"batch {SIZES[s].batch}, seq {SIZES[s].seq}"
+        for s in sizes
+    )
+    parts = [
+        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs; {options.iters} timed rounds "
+        f"after {options.warmup} warm-up, hooks timed over {options.hook_rounds} rounds; "
+        f"1-min load average {options.load_before:.1f} before starting",
+        described,
+        "",
+        markdown_table(COLUMNS, [table_cells(row) for row in rows]),
+        "",
+        format_ratios(rows),
+    ]
+    if options.hook_breakdown:
+        parts += ["", format_hook_breakdown(rows)]
+    return "\n".join(parts)
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 benchmarks/compare_upstream.py", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed rounds per block size (default 40; 8 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="tiny size only, few rounds (smoke test)")
+    parser.add_argument("--world-sizes", default="2,4",
+                        help="comma-separated world sizes to spawn (default 2,4; ignored under torchrun)")
+    parser.add_argument("--hook-breakdown", action="store_true",
+                        help="also print forward-hook CPU time by style (torch_tp vs upstream-same)")
+    options = parser.parse_args(argv)
+    if options.iters is None:
+        options.iters = 8 if options.quick else 40
+    if options.iters < 2:
+        parser.error("--iters must be at least 2 (quartiles need two samples)")
+    options.warmup = 2 if options.quick else 5
+    options.hook_rounds = max(2, options.iters // 4)
+    return options
+
+
+def run_world(nproc: int, config: Config) -> list[dict]:
+    """Launch ``nproc`` ranks (or use torchrun's) with ``config``; return rank 0's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = replace(config, result_path=os.path.join(tmp, "rows.json"))
+        launch(rank_main, config, nproc=nproc)
+        if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
+            return []
+        with open(config.result_path) as f:
+            return json.load(f)
+
+
+def progress(message: str) -> None:
+    """Progress goes to stderr (rank 0's only, under torchrun) so stdout holds only the report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
+    sizes = ("tiny",) if options.quick else ("small", "tiny")
+    config = Config(sizes, options.iters, options.warmup, options.hook_rounds, result_path="")
+    if launched_by_torchrun():  # this process is one of the launcher's ranks
+        worlds = [int(os.environ["WORLD_SIZE"])]
+    else:
+        worlds = [int(w) for w in options.world_sizes.split(",")]
+    start = time.perf_counter()
+    rows = []
+    for nproc in worlds:
+        progress(f"world size {nproc}: {', '.join(sizes)} ...")
+        world_start = time.perf_counter()
+        rows += run_world(nproc, config)
+        progress(f"  done in {time.perf_counter() - world_start:.1f} s")
+    if rows:
+        print(format_report(rows, options, sizes))
+        progress(f"total {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
