@@ -67,16 +67,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import fnmatch
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -84,11 +80,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as upstream
-from torch.distributed.tensor.debug import CommDebugMode
 
 import torch_tp
 from torch_tp.launch import launch, launched_by_torchrun, rank_device
 from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_parallel_plan, rotary_table
+
+# _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
+# on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
+from _measure import local_parameter_bytes, measure_collectives, measure_hook_cpu, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
 
@@ -213,14 +212,6 @@ def parallelize(variant: Variant, block: TransformerBlock, mesh: DeviceMesh) -> 
     return library.parallelize_module(block, mesh, plan_for(variant))
 
 
-def style_name_of(path: str, plan: dict[str, upstream.ParallelStyle]) -> str:
-    """Name of the style ``plan`` gives the module at ``path`` (keys are globs)."""
-    for key, style in plan.items():
-        if fnmatch.fnmatchcase(path, key):
-            return type(style).__name__
-    return "none"
-
-
 # ---------------------------------------------------------------------------- inputs
 
 
@@ -309,196 +300,6 @@ def local_grads(block: TransformerBlock) -> dict[str, torch.Tensor]:
     }
 
 
-# -------------------------------------------------------------------------- collectives
-
-
-class CollectiveBytesMode(CommDebugMode):
-    """``CommDebugMode`` that also sums the bytes of each collective's input tensor(s)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.input_bytes = 0
-
-    def __enter__(self):
-        self.input_bytes = 0
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.get_total_counts()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.get_total_counts() > before:  # CommDebugMode counted a collective
-            self.input_bytes += tensor_bytes(args[0])
-        return out
-
-
-def tensor_bytes(value) -> int:
-    """Bytes of a tensor, or of every tensor in a list (coalesced collectives)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(item) for item in value)
-    return 0
-
-
-def short_counts(mode: CommDebugMode) -> dict[str, int]:
-    """``{"all_reduce": 2, ...}`` from a CommDebugMode."""
-    counts: dict[str, int] = {}
-    for op, n in mode.get_comm_counts().items():
-        name = getattr(op, "_qualified_op_name", str(op)).split("::")[-1]
-        counts[name] = counts.get(name, 0) + n
-    return counts
-
-
-def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    """Per-collective sum of two count dicts."""
-    return {name: a.get(name, 0) + b.get(name, 0) for name in sorted({*a, *b})}
-
-
-def measure_collectives(block: TransformerBlock, x: torch.Tensor, rope: torch.Tensor) -> dict:
-    """Collective counts and input bytes of one forward, and of forward + backward."""
-    with CollectiveBytesMode() as forward_mode:
-        out = block(x, rope)
-    with CollectiveBytesMode() as backward_mode:
-        out.sum().backward()
-    block.zero_grad(set_to_none=True)
-    forward = short_counts(forward_mode)
-    return {
-        "fwd_counts": forward,
-        "fwd_bytes": forward_mode.input_bytes,
-        "total_counts": add_counts(forward, short_counts(backward_mode)),
-        "total_bytes": forward_mode.input_bytes + backward_mode.input_bytes,
-    }
-
-
-def local_parameter_bytes(block: TransformerBlock) -> int:
-    """Bytes of the parameters this rank holds (the local shard of a DTensor parameter)."""
-    total = 0
-    for param in block.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        total += tensor_bytes(local)
-    return total
-
-
-# --------------------------------------------------------------------------- hook cost
-
-
-class HookCPUTimer:
-    """Wraps every forward (pre-)hook of a block to add up its main-thread CPU time.
-
-    Times are keyed by ``"<style> pre"`` / ``"<style> post"`` (the style the plan gives
-    the hooked module). Hooks are found in ``nn.Module``'s hook dicts, where both
-    libraries register them; :meth:`remove` puts the original hooks back.
-    """
-
-    def __init__(self, block: TransformerBlock, plan: dict[str, upstream.ParallelStyle]):
-        self.ns: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
-        self._originals = []
-        for path, module in block.named_modules():
-            style = style_name_of(path, plan)
-            for side, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
-                for hook_id, hook in list(hooks.items()):
-                    hooks[hook_id] = self._timed(hook, f"{style} {side}")
-                    self._originals.append((hooks, hook_id, hook))
-
-    def _timed(self, hook: Callable, key: str) -> Callable:
-        def timed(*args, **kwargs):
-            start = time.thread_time_ns()
-            try:
-                return hook(*args, **kwargs)
-            finally:
-                self.ns[key] += time.thread_time_ns() - start
-                self.calls[key] += 1
-
-        return timed
-
-    def reset(self) -> None:
-        self.ns.clear()
-        self.calls.clear()
-
-    def remove(self) -> None:
-        for hooks, hook_id, hook in self._originals:
-            hooks[hook_id] = hook
-
-
-def measure_hook_cpu(steps: dict[Variant, Callable[[], None]], blocks: dict[Variant, TransformerBlock],
-                     rounds: int) -> dict[Variant, dict]:
-    """Forward-hook CPU µs per step of each variant, in total and by style and side."""
-    timers = {variant: HookCPUTimer(blocks[variant], plan_for(variant)) for variant in blocks}
-    try:
-        run_rounds(steps, 1)  # the wrappers' own first calls
-        for timer in timers.values():
-            timer.reset()
-        run_rounds(steps, rounds)
-    finally:
-        for timer in timers.values():
-            timer.remove()
-    return {
-        variant: {
-            "hook_us": sum(timer.ns.values()) / rounds / 1e3,
-            "hook_breakdown": {
-                key: (timer.ns[key] / rounds / 1e3, timer.calls[key] / rounds) for key in sorted(timer.ns)
-            },
-        }
-        for variant, timer in timers.items()
-    }
-
-
-# ------------------------------------------------------------------------------ timing
-
-
-def rotated(items: list, shift: int) -> list:
-    """``items`` rotated left by ``shift`` (the order of variants in one round)."""
-    shift %= len(items)
-    return items[shift:] + items[:shift]
-
-
-def timed_step(step: Callable[[], None]) -> tuple[float, float]:
-    """Wall and main-thread CPU seconds of one step on this rank, started after a barrier.
-
-    On CPU the autograd engine runs backward in the calling thread and gloo moves data on
-    its own threads, so the main thread's CPU time is the step's compute plus the Python
-    and dispatch cost of hooks and DTensor, without time spent waiting for other ranks.
-    (On CUDA, backward runs on an autograd device thread: CPU time covers the forward.)
-    """
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.thread_time()
-    step()
-    if rank_device().type == "cuda":
-        torch.cuda.synchronize()  # kernels run asynchronously: wait for this step's
-    return time.perf_counter() - wall, time.thread_time() - cpu
-
-
-def run_rounds(steps: dict[Variant, Callable[[], None]], rounds: int) -> None:
-    """Run every step ``rounds`` times, alternating variants in a rotating order."""
-    order = list(steps)
-    for round_ in range(rounds):
-        for variant in rotated(order, round_):
-            steps[variant]()
-
-
-def time_interleaved(
-    steps: dict[Variant, Callable[[], None]], iters: int, warmup: int
-) -> dict[Variant, list[tuple[float, float]]]:
-    """Run ``warmup`` rounds, then time ``iters`` rounds, alternating variants.
-
-    Each round runs every variant once, in an order rotated by one each round, so that
-    machine noise (and any benefit of following a particular variant) hits all alike.
-    """
-    run_rounds(steps, warmup)
-    order = list(steps)
-    times: dict[Variant, list[tuple[float, float]]] = {variant: [] for variant in order}
-    gc.collect()
-    gc.disable()
-    try:
-        for round_ in range(iters):
-            for variant in rotated(order, round_):
-                times[variant].append(timed_step(steps[variant]))
-    finally:
-        gc.enable()
-    return times
-
-
 # ----------------------------------------------------------------------- per-rank driver
 
 
@@ -518,7 +319,8 @@ def measure_size(size: BlockSize, mesh: DeviceMesh, config: Config) -> list[dict
         for variant in VARIANTS
     }
     times = time_interleaved(steps, config.iters, config.warmup)
-    hooks = measure_hook_cpu(steps, blocks, config.hook_rounds)
+    hooks = measure_hook_cpu(steps, blocks, {variant: plan_for(variant) for variant in VARIANTS},
+                             config.hook_rounds)
     return [
         {
             "world": dist.get_world_size(),

@@ -25,6 +25,9 @@ PUBLIC_MODULES = [
     "torch_tp.parallel.explain",
     "torch_tp.parallel.init",
     "torch_tp.parallel.rules",
+    "torch_tp.quant",
+    "torch_tp.quant.int8_tensor",
+    "torch_tp.quant.config",
     "torch_tp.demo",
 ]
 

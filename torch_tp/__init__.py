@@ -24,6 +24,17 @@ from torch_tp.parallel import (
 
 __version__ = "0.1.0"
 
+_LAZY = {"Int8SymmetricTensor": "torch_tp.quant", "Int8SymmetricWeightConfig": "torch_tp.quant"}
+
+
+def __getattr__(name: str):
+    # torch_tp.quant imports torchao; load it only when a quantization name is used.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'torch_tp' has no attribute {name!r}")
+
 __all__ = [
     "parallelize_module",
     "explain_plan",

@@ -1,0 +1,18 @@
+"""torch_tp.quant: int8 symmetric weight quantization that composes with DTensor and the TP styles.
+
+Importing this module imports torchao (quietly: its CPU-only "Failed to load ... .so"
+warnings are suppressed). ``import torch_tp`` alone does not import it.
+
+Example::
+
+    >>> import torch
+    >>> from torch_tp.quant import Int8SymmetricTensor
+    >>> q = Int8SymmetricTensor.from_hp(torch.randn(8, 4))
+    >>> q.qdata.dtype, q.shape
+    (torch.int8, torch.Size([8, 4]))
+"""
+
+from torch_tp.quant.config import Int8SymmetricWeightConfig, quantize_module_weight
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor
+
+__all__ = ["Int8SymmetricTensor", "Int8SymmetricWeightConfig", "quantize_module_weight"]

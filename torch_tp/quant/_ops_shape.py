@@ -1,0 +1,169 @@
+"""Shape ops of ``Int8SymmetricTensor``: each applies to ``qdata`` and, by the scale rule, to ``scale``.
+
+| op | the DTensor / nn.Module path that reaches it |
+| --- | --- |
+| ``slice.Tensor`` (``narrow``) | uneven shards (unpadding), ``Shard`` local views |
+| ``split.Tensor`` (``chunk``) | ``distribute_tensor`` with ``Shard``; all-gather on dim != 0 |
+| ``cat`` | all-gather on dim != 0 (chunk + cat) |
+| ``view`` / ``_unsafe_view`` (``reshape``) | ``DTensor.from_local``, flattening |
+| ``t`` / ``transpose.int`` | the ``F.linear`` decomposition (``x @ w.t()``) |
+| ``constant_pad_nd`` | padding uneven shards before a scatter / all-gather |
+| ``empty_like`` / ``new_empty`` | receive buffers of scatter / broadcast |
+| ``_to_copy`` | ``.to(device)``, ``.to(dtype)`` (changes the logical dtype only) |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+
+_SLICE_DEFAULTS = (None, 0, None, None, 1)  # slice.Tensor(self, dim=0, start=None, end=None, step=1)
+
+
+@implements(aten.slice.Tensor)
+def _int8_slice(func, types, args, kwargs):
+    self, dim, start, end, step = tuple(args) + _SLICE_DEFAULTS[len(args):]
+    dim = dim % self.ndim
+    qdata = aten.slice.Tensor(self.qdata, dim, start, end, step)
+    scale = self.scale
+    if self.scale_follows(dim):
+        scale = aten.slice.Tensor(self.scale, dim, start, end, step)
+    return return_and_correct_aliasing(func, args, kwargs, self.with_data(qdata, scale))
+
+
+@implements(aten.split.Tensor)
+def _int8_split(func, types, args, kwargs):
+    self, split_size = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % self.ndim
+    pieces = aten.split.Tensor(self.qdata, split_size, dim)
+    if self.scale_follows(dim):
+        scales = aten.split.Tensor(self.scale, split_size, dim)
+    else:
+        scales = [self.scale] * len(pieces)
+    return [self.with_data(q, s) for q, s in zip(pieces, scales)]
+
+
+def _scales_agree(scales: list[torch.Tensor]) -> bool:
+    if torch.compiler.is_compiling() or scales[0].device.type == "meta":
+        return True
+    return all(torch.equal(scales[0], s) for s in scales[1:])
+
+
+@implements(aten.cat.default)
+def _int8_cat(func, types, args, kwargs):
+    tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    first = tensors[0]
+    if not all(isinstance(t, Int8SymmetricTensor) and t.dtype == first.dtype for t in tensors):
+        raise NotImplementedError(
+            f"cat of {Int8SymmetricTensor.__name__} with other tensors or dtypes; quantize them alike first"
+        )
+    dim = dim % first.ndim
+    qdata = aten.cat.default([t.qdata for t in tensors], dim)
+    if first.scale_follows(dim):
+        scale = aten.cat.default([t.scale for t in tensors], dim)
+    else:
+        scales = [t.scale for t in tensors]
+        if not _scales_agree(scales):
+            raise ValueError(
+                f"cat along dim {dim} joins pieces of the same rows, whose scales must be equal; "
+                f"these pieces were quantized separately (re-quantize the joined float tensor)"
+            )
+        scale = scales[0]
+    return first.with_data(qdata, scale)
+
+
+def _resolve_shape(shape, numel: int) -> list[int]:
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for size in shape:
+            if size != -1:
+                known *= size
+        shape[shape.index(-1)] = numel // known if known else 0
+    return shape
+
+
+@implements([aten.view.default, aten._unsafe_view.default])
+def _int8_view(func, types, args, kwargs):
+    self, shape = args[0], _resolve_shape(args[1], args[0].numel())
+    if list(shape) == list(self.shape):
+        qdata, scale = func(self.qdata, shape), self.scale
+    elif self.scale_follows(0) and not any(self.scale_follows(d) for d in range(1, self.ndim) if self.shape[d] != 1) \
+            and shape and shape[0] == self.shape[0]:
+        # per-row scale on dim 0: the features of each row may be reshaped freely
+        qdata = func(self.qdata, shape)
+        scale = self.scale.reshape([self.shape[0]] + [1] * (len(shape) - 1))
+    else:
+        raise ValueError(
+            f"{type(self).__name__}.view{tuple(shape)} from shape {tuple(self.shape)} would mix "
+            f"elements of rows that have different scales (scale shape {tuple(self.scale.shape)}); "
+            f"only views that keep dim 0 (the rows) are supported — dequantize() first for others"
+        )
+    out = self.with_data(qdata, scale)
+    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
+
+
+@implements(aten.t.default)
+def _int8_t(func, types, args, kwargs):
+    self = args[0]
+    out = self.with_data(self.qdata.t(), self.scale.t())
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.transpose.int)
+def _int8_transpose(func, types, args, kwargs):
+    self, dim0, dim1 = args
+    out = self.with_data(self.qdata.transpose(dim0, dim1), self.scale.transpose(dim0, dim1))
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.constant_pad_nd.default)
+def _int8_pad(func, types, args, kwargs):
+    self, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    if value != 0:
+        raise NotImplementedError(f"padding {type(self).__name__} with {value} (only zero padding)")
+    qdata = aten.constant_pad_nd.default(self.qdata, pad, 0)
+    scale_pad = []
+    for i in range(0, len(pad), 2):  # pad lists (left, right) pairs from the last dim backwards
+        dim = self.ndim - 1 - i // 2
+        scale_pad += pad[i:i + 2] if self.scale_follows(dim) else [0, 0]
+    scale = aten.constant_pad_nd.default(self.scale, scale_pad, 1.0)
+    return self.with_data(qdata, scale)
+
+
+@implements(aten.empty_like.default)
+def _int8_empty_like(func, types, args, kwargs):
+    self = args[0]
+    device = kwargs.get("device") or self.device
+    return self.with_data(torch.empty_like(self.qdata, device=device), torch.empty_like(self.scale, device=device))
+
+
+@implements(aten.new_empty.default)
+def _int8_new_empty(func, types, args, kwargs):
+    self, size = args[0], args[1]
+    device = kwargs.get("device") or self.device
+    qdata = torch.empty(size, dtype=torch.int8, device=device)
+    scale = torch.empty(self.scale_shape_for(size), dtype=self.scale.dtype, device=device)
+    return self.with_data(qdata, scale)
+
+
+@implements(aten._to_copy.default)
+def _int8_to_copy(func, types, args, kwargs):
+    self = args[0]
+    device = kwargs.get("device") or self.device
+    dtype = kwargs.get("dtype") or self.dtype
+    if not dtype.is_floating_point:
+        raise NotImplementedError(
+            f"{type(self).__name__}.to({dtype}): the logical dtype must stay floating point; "
+            f"read .qdata for the int8 values"
+        )
+    out = type(self)(self.qdata.to(device), self.scale.to(device), dtype)
+    return return_and_correct_aliasing(func, args, kwargs, out)

@@ -1,0 +1,125 @@
+"""``Int8SymmetricTensor``: an int8 weight with one float32 scale per row, that DTensor can shard.
+
+The tensor holds ``qdata`` (int8, the tensor's shape) and ``scale`` (float32, same number
+of dims as ``qdata``). Its logical ``dtype`` is the float dtype it was quantized from.
+
+The scale rule, used by every shape op (:meth:`Int8SymmetricTensor.scale_follows`)::
+
+    along each dim d, scale.shape[d] is either qdata.shape[d] (the scale varies along d:
+    per-row) or 1 (it broadcasts over d). dequantize() == qdata * scale.
+
+So slicing, splitting or concatenating along a per-row dim does the same to ``scale``; along
+a broadcast dim ``scale`` is left whole; transposing transposes both. A freshly quantized
+weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``.
+
+The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py`` and ``_ops_collective.py``, each
+registered on :attr:`Int8SymmetricTensor.implements`. An op that is not implemented raises
+``NotImplementedError`` naming the op: nothing silently falls back to float.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_tp.quant._primitives import dequantize_per_row, quantize_per_row
+from torch_tp.quant._torchao import import_torchao
+
+__all__ = ["Int8SymmetricTensor"]
+
+TorchAOBaseTensor = import_torchao("torchao.utils").TorchAOBaseTensor
+
+
+class Int8SymmetricTensor(TorchAOBaseTensor):
+    """A weight stored as int8 ``qdata`` and per-row float32 ``scale`` (symmetric, zero-point 0).
+
+    Build one with :meth:`from_hp` (or ``torchao.quantize_(model, Int8SymmetricWeightConfig())``).
+    It behaves as a tensor of its original float ``dtype``: ``F.linear``, ``F.embedding``,
+    ``mm``/``addmm``/``matmul`` compute in the input's dtype, and DTensor can shard,
+    redistribute (moving int8 bytes), save and load it.
+
+    Example::
+
+        >>> w = torch.tensor([[1.0, -0.5], [0.25, 0.0]])
+        >>> q = Int8SymmetricTensor.from_hp(w)
+        >>> q.dtype, q.qdata.dtype, q.scale.shape
+        (torch.float32, torch.int8, torch.Size([2, 1]))
+        >>> torch.allclose(q.dequantize(), w, atol=1e-2)
+        True
+    """
+
+    tensor_data_names = ["qdata", "scale"]
+    tensor_attribute_names = ["dtype"]
+
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=False
+        )
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.qdata = qdata
+        self.scale = scale
+
+    @classmethod
+    def from_hp(cls, weight: torch.Tensor) -> "Int8SymmetricTensor":
+        """Quantize a 2-D float weight (float32, bfloat16 or float16), one scale per row.
+
+        Raises ``TypeError`` for a non-float tensor and ``ValueError`` for a weight that is
+        not 2-D or holds NaN/inf.
+
+        Example::
+
+            >>> Int8SymmetricTensor.from_hp(torch.ones(3, 4, dtype=torch.bfloat16)).dtype
+            torch.bfloat16
+        """
+        qdata, scale = quantize_per_row(weight)
+        return cls(qdata, scale, weight.dtype)
+
+    from_float = from_hp
+
+    def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float tensor this one stands for, as ``output_dtype`` (default: its own dtype).
+
+        Example::
+
+            >>> q = Int8SymmetricTensor.from_hp(torch.tensor([[2.0, -1.0]]))
+            >>> q.dequantize()
+            tensor([[ 2.0000, -1.0079]])
+        """
+        return dequantize_per_row(self.qdata, self.scale, output_dtype or self.dtype)
+
+    def scale_follows(self, dim: int) -> bool:
+        """Whether ``scale`` varies along ``dim`` (so ops on that dim must apply to it too).
+
+        Example::
+
+            >>> q = Int8SymmetricTensor.from_hp(torch.ones(3, 4))
+            >>> q.scale_follows(0), q.scale_follows(1), q.t().scale_follows(1)
+            (True, False, True)
+        """
+        dim = dim % self.qdata.ndim
+        return self.scale.shape[dim] == self.qdata.shape[dim]
+
+    def scale_shape_for(self, shape) -> torch.Size:
+        """The ``scale`` shape a tensor of ``shape`` with this tensor's scale layout has."""
+        return torch.Size(size if self.scale.shape[d] != 1 or self.qdata.shape[d] == 1 else 1
+                          for d, size in enumerate(shape))
+
+    def with_data(self, qdata: torch.Tensor, scale: torch.Tensor) -> "Int8SymmetricTensor":
+        """A tensor of this class and dtype around new ``qdata`` and ``scale``."""
+        return type(self)(qdata, scale, self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"qdata=int8, scale={tuple(self.scale.shape)} float32, device={self.device})"
+        )
+
+
+implements = Int8SymmetricTensor.implements
+implements_torch_function = Int8SymmetricTensor.implements_torch_function
+
+# The op tables register themselves on import.
+from torch_tp.quant import _ops_collective, _ops_matmul, _ops_shape  # noqa: E402,F401
+
+torch.serialization.add_safe_globals([Int8SymmetricTensor])
