@@ -78,7 +78,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as upstream
 
 import torch_tp
@@ -152,33 +152,8 @@ class Config:
 
 
 def upstream_same_plan(*, sequence_parallel: bool) -> dict[str, upstream.ParallelStyle]:
-    """torch_tp's ``block_tensor_parallel_plan`` written with upstream's styles."""
-    between = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, upstream.ParallelStyle] = {
-        "attention": upstream.PrepareModuleInput(
-            input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.w[kqv]": upstream.ColwiseParallel(),
-        "attention.wo": upstream.RowwiseParallel(output_layouts=between),
-        "feed_forward": upstream.PrepareModuleInput(
-            input_layouts=(between,), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w[13]": upstream.ColwiseParallel(),
-        "feed_forward.w2": upstream.RowwiseParallel(output_layouts=between),
-    }
-    if sequence_parallel:
-        plan["attention_norm"] = upstream.SequenceParallel()
-        plan["ffn_norm"] = upstream.SequenceParallel()
-    _require_same_shape_of_plan(plan, block_tensor_parallel_plan(sequence_parallel=sequence_parallel))
-    return plan
-
-
-def _require_same_shape_of_plan(upstream_plan: dict, torch_tp_plan: dict) -> None:
-    """Fail loudly if torch_tp's documented plan changed and this copy did not follow."""
-    ours = {key: type(style).__name__ for key, style in torch_tp_plan.items()}
-    theirs = {key: type(style).__name__ for key, style in upstream_plan.items()}
-    if ours != theirs:
-        raise AssertionError(f"upstream-same plan {theirs} no longer mirrors torch_tp's {ours}")
+    """torch_tp's ``block_tensor_parallel_plan``, built from upstream's style classes."""
+    return block_tensor_parallel_plan(sequence_parallel=sequence_parallel, styles=upstream)
 
 
 def upstream_usual_plan() -> dict[str, upstream.ParallelStyle]:

@@ -8,28 +8,16 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-
 from torch_tp import parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import assert_params_and_grads_match, run_on_ranks, tp_mesh, world_sizes
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _assert_params_and_grads_match(model, reference, what):
-    for (name, param), (_, ref_param) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(_full(param), ref_param, **TOL, msg=lambda m: f"{what} {name}: {m}")
-        torch.testing.assert_close(_full(param.grad), ref_param.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}")
 
 
 def _train_and_compare(sequence_parallel, steps=3):
@@ -51,7 +39,7 @@ def _train_and_compare(sequence_parallel, steps=3):
         torch.testing.assert_close(loss, ref_loss, **TOL)
         loss.backward()
         ref_loss.backward()
-        _assert_params_and_grads_match(model, reference, f"step {step}")
+        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
         losses.append(loss.item())
         if step < steps:
             optimizer.step()

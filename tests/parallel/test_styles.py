@@ -21,16 +21,15 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models.llama import RMSNorm
-from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import (
+    assert_params_and_grads_match,
+    local_chunk,
+    run_on_ranks,
+    tp_mesh,
+    world_sizes,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _shard_of(tensor, dim):
-    """This rank's chunk of ``tensor`` along ``dim`` (DTensor's torch.chunk semantics)."""
-    chunks = torch.chunk(tensor, dist.get_world_size(), dim=dim)
-    rank = dist.get_rank()
-    return chunks[rank] if rank < len(chunks) else tensor.narrow(dim, 0, 0)
 
 
 def _parallel_copy(module, plan, **kwargs):
@@ -39,13 +38,8 @@ def _parallel_copy(module, plan, **kwargs):
     return sharded
 
 
-def _grad(param):
-    return param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-
-
 def _assert_grads_match(module, reference):
-    for (name, p), (_, ref) in zip(module.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(_grad(p), ref.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    assert_params_and_grads_match(module, reference, **TOL, params=False)
 
 
 # ------------------------------------------------------------------ ColwiseParallel
@@ -59,12 +53,12 @@ def _colwise_linear_cases():
 
         default = _parallel_copy(reference, ColwiseParallel())
         assert default.weight.placements == (Shard(0),)
-        assert default.weight.to_local().shape == _shard_of(reference.weight, 0).shape
+        assert default.weight.to_local().shape == local_chunk(reference.weight, 0).shape
         if bias:
             assert default.bias.placements == (Shard(0),)
         out = default(x)
         assert not isinstance(out, DTensor)  # use_local_output=True: the local last-dim shard
-        torch.testing.assert_close(out, _shard_of(expected, -1), **TOL)
+        torch.testing.assert_close(out, local_chunk(expected, -1), **TOL)
         out.sum().backward()
         expected.sum().backward()
         _assert_grads_match(default, reference)
@@ -80,8 +74,8 @@ def _colwise_linear_cases():
         # a batch-sharded input is gathered before the matmul
         batch_sharded = _parallel_copy(reference, ColwiseParallel(input_layouts=Shard(0)))
         full_x = torch.randn(2 * dist.get_world_size(), 5, 16)
-        out = batch_sharded(_shard_of(full_x, 0))
-        torch.testing.assert_close(out, _shard_of(reference(full_x), -1).detach(), **TOL)
+        out = batch_sharded(local_chunk(full_x, 0))
+        torch.testing.assert_close(out, local_chunk(reference(full_x), -1).detach(), **TOL)
 
 
 def _colwise_embedding_cases():
@@ -91,7 +85,7 @@ def _colwise_embedding_cases():
     sharded = _parallel_copy(reference, ColwiseParallel())
     assert sharded.weight.placements == (Shard(1),)
     out = sharded(ids)
-    torch.testing.assert_close(out, _shard_of(expected, -1), **TOL)
+    torch.testing.assert_close(out, local_chunk(expected, -1), **TOL)
     out.sum().backward()
     expected.sum().backward()
     _assert_grads_match(sharded, reference)
@@ -122,14 +116,14 @@ def _rowwise_linear_cases():
         assert sharded.weight.placements == (Shard(1),)
         if bias:
             assert sharded.bias.placements == (Replicate(),)
-        x_shard = _shard_of(x.detach(), -1).requires_grad_()
+        x_shard = local_chunk(x.detach(), -1).requires_grad_()
         out = sharded(x_shard)
         assert not isinstance(out, DTensor)
         torch.testing.assert_close(out, expected, **TOL)
         out.sum().backward()
         expected.sum().backward()
         _assert_grads_match(sharded, reference)
-        torch.testing.assert_close(x_shard.grad, _shard_of(x.grad, -1), **TOL)
+        torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, -1), **TOL)
         reference.zero_grad()
 
         dt = _parallel_copy(reference, RowwiseParallel(use_local_output=False))(x_shard)
@@ -137,7 +131,7 @@ def _rowwise_linear_cases():
 
         # reduce-scatter onto the sequence dim (sequence parallelism)
         seq = _parallel_copy(reference, RowwiseParallel(output_layouts=Shard(1)))(x_shard)
-        torch.testing.assert_close(seq, _shard_of(expected.detach(), 1), **TOL)
+        torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
 
         # a replicated input is split locally, without communication
         replicated_in = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate()))(x.detach())
@@ -156,7 +150,7 @@ def _rowwise_embedding_cases():
     expected.sum().backward()
     _assert_grads_match(sharded, reference)
     seq = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))(ids)
-    torch.testing.assert_close(seq, _shard_of(expected.detach(), 1), **TOL)
+    torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
 
 
 @world_sizes(2, 4)
@@ -210,14 +204,14 @@ def _sequence_parallel_cases():
             sharded = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim))
             for param in sharded.parameters():
                 assert param.placements == (Replicate(),)
-            x_shard = _shard_of(x.detach(), sequence_dim).requires_grad_()
+            x_shard = local_chunk(x.detach(), sequence_dim).requires_grad_()
             out = sharded(x_shard)
             assert isinstance(out, DTensor) and out.placements == (Shard(sequence_dim),)
             torch.testing.assert_close(out.full_tensor(), expected, **TOL)
             out.to_local().sum().backward()
             expected.sum().backward()
             _assert_grads_match(sharded, reference)
-            torch.testing.assert_close(x_shard.grad, _shard_of(x.grad, sequence_dim), **TOL)
+            torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, sequence_dim), **TOL)
             reference.zero_grad()
             local = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim, use_local_output=True))
             assert not isinstance(local(x_shard.detach()), DTensor)
@@ -266,7 +260,7 @@ def _prepare_input_positional_with_placeholders():
     parallelize_module(module, tp_mesh(), style)
     full_x = torch.arange(2.0 * world).reshape(2 * world, 1)
     y = torch.ones(2 * world, 1)
-    out, scale, _ = module(_shard_of(full_x, 0), 3.0, y)
+    out, scale, _ = module(local_chunk(full_x, 0), 3.0, y)
     assert module.seen[:3] == ((Replicate(),), 3.0, (Replicate(),))
     assert scale == 3.0  # the None placeholder passed the float through untouched
     torch.testing.assert_close(out.full_tensor(), full_x * 3.0 + 1.0)
@@ -284,7 +278,7 @@ def _prepare_input_kwargs_and_local_output():
     )
     parallelize_module(module, tp_mesh(), style)
     full_mask = torch.arange(float(world * 2))
-    out, _, mask = module(torch.ones(2), 2.0, torch.zeros(2), mask=_shard_of(full_mask, 0))
+    out, _, mask = module(torch.ones(2), 2.0, torch.zeros(2), mask=local_chunk(full_mask, 0))
     assert module.seen == ("local", 2.0, "local", "local")
     torch.testing.assert_close(mask, full_mask)  # gathered, then handed over as a local tensor
 
@@ -302,16 +296,16 @@ def _prepare_output_cases():
         output_layouts=(Shard(0), None, Shard(0)),
         desired_output_layouts=(Replicate(), None, Shard(0)),
     ))
-    doubled, label, plus_one = module(_shard_of(full, 0))
+    doubled, label, plus_one = module(local_chunk(full, 0))
     assert label == "label"
     torch.testing.assert_close(doubled, full * 2)  # gathered, returned local (default)
-    torch.testing.assert_close(plus_one, _shard_of(full, 0) + 1)
+    torch.testing.assert_close(plus_one, local_chunk(full, 0) + 1)
 
     single = nn.Identity()
     parallelize_module(single, tp_mesh(), PrepareModuleOutput(
         output_layouts=Shard(0), desired_output_layouts=Replicate(), use_local_output=False,
     ))
-    out = single(_shard_of(full, 0))
+    out = single(local_chunk(full, 0))
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     torch.testing.assert_close(out.to_local(), full)
 
@@ -325,9 +319,9 @@ def _prepare_input_output_cases():
         input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
         output_layouts=Replicate(), desired_output_layouts=Shard(1),
     ))
-    out = module(_shard_of(full, 1))
+    out = module(local_chunk(full, 1))
     assert not isinstance(out, DTensor)
-    torch.testing.assert_close(out, _shard_of(reference(full), 1).detach(), **TOL)
+    torch.testing.assert_close(out, local_chunk(reference(full), 1).detach(), **TOL)
 
 
 @world_sizes(2, 4)

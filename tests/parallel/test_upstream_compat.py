@@ -36,7 +36,7 @@ from torch_tp.models.llama import (
     block_tensor_parallel_plan,
     rotary_table,
 )
-from torch_tp.testing import rank, run_on_ranks, tp_mesh, world_size, world_sizes
+from torch_tp.testing import full_tensor, rank, run_on_ranks, tp_mesh, world_size, world_sizes
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -51,10 +51,6 @@ STYLE_NAMES = [
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _snapshot(plan):
@@ -100,7 +96,7 @@ def _check_block(block, reference, x, rope, sequence_parallel, what):
         # Without sequence parallelism the norms stay plain replicated parameters.
         assert isinstance(param, DTensor) == (sequence_parallel or "norm" not in name), name
         torch.testing.assert_close(
-            _full(param.grad), ref_param.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}"
+            full_tensor(param.grad), ref_param.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}"
         )
     return out.detach()
 
@@ -357,7 +353,7 @@ def _upstream_program(library):
     grads = {}
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
         assert isinstance(param, DTensor), name
-        grads[name] = _full(param.grad)
+        grads[name] = full_tensor(param.grad)
         torch.testing.assert_close(grads[name], ref_param.grad, **TOL, msg=lambda m: f"grad {name}: {m}")
     return out.detach(), grads
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor, quantize_module_weight
-from torch_tp.testing import comm_counts, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import comm_counts, local_chunk, run_on_ranks, tp_mesh, world_sizes
 
 # Sharded vs unsharded quantized: float32 differs only by summation order; bfloat16 sums
 # partial results rounded to 8 bits, so it gets bfloat16-sized tolerances.
@@ -34,12 +34,6 @@ def _quantize(model):
 
 def _relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _chunk(t, dim):
-    chunks = torch.chunk(t, dist.get_world_size(), dim=dim)
-    rank = dist.get_rank()
-    return chunks[rank] if rank < len(chunks) else t.narrow(dim, 0, 0)
 
 
 # ------------------------------------------------------------------ distribute / from_local / full
@@ -60,7 +54,7 @@ def _distribute_every_way(rows, cols):
             local = d.to_local()
             assert isinstance(local, Int8SymmetricTensor), (placement, src)
             source = from_rank0[0] if src == 0 else mine
-            expected = source if isinstance(placement, Replicate) else _chunk(source, placement.dim)
+            expected = source if isinstance(placement, Replicate) else local_chunk(source, placement.dim)
             assert local.shape == expected.shape, (placement, src, local.shape)
             if isinstance(placement, Shard) and placement.dim == 1:
                 assert local.scale.shape == (rows, 1)  # feature split: every row keeps its scale

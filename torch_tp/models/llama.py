@@ -22,19 +22,15 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.parallel.style import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch_tp.parallel import style as _torch_tp_styles
+from torch_tp.parallel.style import ParallelStyle
 
 __all__ = [
     "ModelArgs",
@@ -219,11 +215,15 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def block_tensor_parallel_plan(*, sequence_parallel: bool = False, prefix: str = "") -> dict[str, ParallelStyle]:
+def block_tensor_parallel_plan(
+    *, sequence_parallel: bool = False, prefix: str = "", styles: ModuleType = _torch_tp_styles
+) -> dict[str, ParallelStyle]:
     """The plan for one :class:`TransformerBlock` (keys relative to the block, or under ``prefix``).
 
     Without sequence parallelism activations between blocks are replicated; with it they
-    are sharded on the sequence dim (1) and the norms run on sequence shards.
+    are sharded on the sequence dim (1) and the norms run on sequence shards. ``styles`` is
+    the module the style classes come from: torch_tp's by default, or
+    ``torch.distributed.tensor.parallel`` for the same plan in upstream's styles.
 
     Example::
 
@@ -234,28 +234,30 @@ def block_tensor_parallel_plan(*, sequence_parallel: bool = False, prefix: str =
     plan: dict[str, ParallelStyle] = {
         # One DTensor input per module: wq/wk/wv (w1/w3) share it, so their input grads
         # are summed as partial sums and reduced by a single collective.
-        "attention": PrepareModuleInput(
+        "attention": styles.PrepareModuleInput(
             input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
         ),
-        "attention.w[kqv]": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=between),
-        "feed_forward": PrepareModuleInput(
+        "attention.w[kqv]": styles.ColwiseParallel(),
+        "attention.wo": styles.RowwiseParallel(output_layouts=between),
+        "feed_forward": styles.PrepareModuleInput(
             input_layouts=(between,), desired_input_layouts=(Replicate(),)
         ),
-        "feed_forward.w[13]": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        "feed_forward.w[13]": styles.ColwiseParallel(),
+        "feed_forward.w2": styles.RowwiseParallel(output_layouts=between),
     }
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
+        plan["attention_norm"] = styles.SequenceParallel()
+        plan["ffn_norm"] = styles.SequenceParallel()
     return {f"{prefix}{key}": style for key, style in plan.items()}
 
 
-def tensor_parallel_plan(*, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    *, sequence_parallel: bool = False, styles: ModuleType = _torch_tp_styles
+) -> dict[str, ParallelStyle]:
     """torch_tp's documented tensor-parallel plan for :class:`Transformer`.
 
     The output head returns replicated logits, so the loss is computed as in a
-    single-process model.
+    single-process model. ``styles`` as in :func:`block_tensor_parallel_plan`.
 
     Example::
 
@@ -265,10 +267,10 @@ def tensor_parallel_plan(*, sequence_parallel: bool = False) -> dict[str, Parall
     """
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        **block_tensor_parallel_plan(sequence_parallel=sequence_parallel, prefix="layers.*."),
-        "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+        "tok_embeddings": styles.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        **block_tensor_parallel_plan(sequence_parallel=sequence_parallel, prefix="layers.*.", styles=styles),
+        "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
     }
     if sequence_parallel:
-        plan["norm"] = SequenceParallel()
+        plan["norm"] = styles.SequenceParallel()
     return plan

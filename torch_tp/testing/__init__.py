@@ -8,12 +8,16 @@ Example::
 from torch_tp.testing._comm import assert_comm_counts, comm_counts
 from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
 from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
+from torch_tp.testing._reference import assert_params_and_grads_match, full_tensor, local_chunk
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
     "RankFailure",
     "assert_comm_counts",
+    "assert_params_and_grads_match",
     "comm_counts",
+    "full_tensor",
+    "local_chunk",
     "mesh_2x2",
     "rank",
     "run_on_ranks",
