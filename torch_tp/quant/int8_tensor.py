@@ -12,7 +12,8 @@ So slicing, splitting or concatenating along a per-row dim does the same to ``sc
 a broadcast dim ``scale`` is left whole; transposing transposes both. A freshly quantized
 weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``.
 
-The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py`` and ``_ops_collective.py``, each
+The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
+``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints), each
 registered on :attr:`Int8SymmetricTensor.implements`. An op that is not implemented raises
 ``NotImplementedError`` naming the op: nothing silently falls back to float.
 """
@@ -120,6 +121,6 @@ implements = Int8SymmetricTensor.implements
 implements_torch_function = Int8SymmetricTensor.implements_torch_function
 
 # The op tables register themselves on import.
-from torch_tp.quant import _ops_collective, _ops_matmul, _ops_shape  # noqa: E402,F401
+from torch_tp.quant import _ops_checkpoint, _ops_collective, _ops_matmul, _ops_shape  # noqa: E402,F401
 
 torch.serialization.add_safe_globals([Int8SymmetricTensor])
