@@ -36,7 +36,9 @@ def _rows_times_weight(x2d: torch.Tensor, qdata_nk: torch.Tensor, scale_n: torch
     scale_n = scale_n.to(x2d.dtype)
     if x2d.device.type == "cpu" and x2d.dtype in _PACKED_MM_DTYPES:
         return aten._weight_int8pack_mm(x2d.contiguous(), qdata_nk.contiguous(), scale_n)
-    return torch.mm(x2d, qdata_nk.t().to(x2d.dtype)) * scale_n
+    # ``scale * mm``, not ``mm * scale``: inductor pattern-matches the latter (bfloat16) into
+    # _weight_int8pack_mm, the kernel avoided above, and then fails to lower it (torch 2.13).
+    return scale_n * torch.mm(x2d, qdata_nk.t().to(x2d.dtype))
 
 
 def _require_output_scales(w: Int8SymmetricTensor, op: str, out_dim: int) -> None:

@@ -7,6 +7,7 @@
 | ``cat`` | all-gather on dim != 0 (chunk + cat) |
 | ``view`` / ``_unsafe_view`` (``reshape``) | ``DTensor.from_local``, flattening |
 | ``t`` / ``transpose.int`` | the ``F.linear`` decomposition (``x @ w.t()``) |
+| ``as_strided`` (identity only) | ``torch.compile`` returning an input's alias (``detach()``) |
 | ``constant_pad_nd`` | padding uneven shards before a scatter / all-gather |
 | ``empty_like`` / ``new_empty`` | receive buffers of scatter / broadcast |
 | ``_to_copy`` | ``.to(device)``, ``.to(dtype)`` (changes the logical dtype only) |
@@ -122,6 +123,24 @@ def _int8_transpose(func, types, args, kwargs):
     self, dim0, dim1 = args
     out = self.with_data(self.qdata.transpose(dim0, dim1), self.scale.transpose(dim0, dim1))
     return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.as_strided.default)
+def _int8_as_strided(func, types, args, kwargs):
+    # AOTAutograd rebuilds a compiled function's output that is a view of one of its inputs
+    # as ``input.as_strided(out.size(), out.stride(), out.storage_offset())``. Only the
+    # identity (``detach()``, ``view`` to the same shape) keeps rows and scales together.
+    self, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if (tuple(size) == tuple(self.shape) and tuple(stride) == tuple(self.stride())
+            and offset in (None, self.storage_offset())):
+        return aten.alias.default(self)
+    raise NotImplementedError(
+        f"as_strided{tuple(size), tuple(stride), offset} of {type(self).__name__} "
+        f"{tuple(self.shape)}: a strided view cannot carry the per-row scales. Under "
+        f"torch.compile this comes from returning a view of an input (w.t(), w[2:5]); "
+        f"return a copy (.clone()) instead"
+    )
 
 
 @implements(aten.constant_pad_nd.default)
