@@ -46,3 +46,25 @@ def test_llama_tutorial_runs_from_meta_device_to_training():
     assert len(losses) == 10 and losses[-1] < losses[0]
     held = {int(n) for n in re.findall(r"rank \d holds (\d+) parameter bytes", out)}
     assert len(held) == 1
+
+
+def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
+    out = _run("tutorials/int8_tensor_parallel.py")
+    errors = re.findall(
+        r"rank \d: vs float model (\S+), vs unsharded int8 model (\S+), compiled vs eager (\S+)$", out, flags=re.M
+    )
+    assert len(errors) == 2, out
+    for vs_float, vs_unsharded, compiled_vs_eager in (map(float, e) for e in errors):
+        assert 1e-4 < vs_float <= 1e-2, out  # quantized (not zero), and close to the float model
+        assert vs_unsharded <= 1e-5 and compiled_vs_eager <= 1e-5, out
+    held = re.findall(r"rank \d: (\d+) bytes, float32 would take (\d+) ", out)
+    assert len(held) == 2, out
+    for nbytes, as_float32 in held:
+        assert 0 < int(nbytes) <= 0.3 * int(as_float32), out  # int8 + one scale per row: ~1/4
+
+
+def test_main_job_under_torchrun_uses_the_launchers_ranks():
+    # `torchrun` is `python -m torch.distributed.run`; gloo on CPU, NCCL where CUDA is.
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torch_tp.demo", "--steps", "3")
+    assert "2 ranks (gloo), tensor + sequence parallel, 3 steps" in out
+    assert "loss curve matches the single-process run" in out

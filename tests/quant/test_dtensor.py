@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor, quantize_module_weight
 from torch_tp.testing import comm_counts, local_chunk, run_on_ranks, tp_mesh, world_sizes
@@ -83,6 +83,35 @@ def _from_local_then_full():
 @world_sizes(2, 4)
 def test_from_local_shards_rebuild_the_exact_quantized_weight(world_size):
     run_on_ranks(_from_local_then_full, world_size)
+
+
+def test_quantizing_an_already_parallelized_weight_is_a_clear_error():
+    run_on_ranks(_quantize_after_parallelize, 2)
+
+
+def _quantize_after_parallelize():
+    layer = parallelize_module(nn.Linear(8, 4), tp_mesh(), ColwiseParallel())
+    with pytest.raises(TypeError, match="already a DTensor .* quantize the model first"):
+        quantize_module_weight(layer)
+
+
+def _sharded_backward_matches():
+    torch.manual_seed(0)
+    quantized = _quantize(nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)))
+    sharded = parallelize_module(copy.deepcopy(quantized), tp_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    sharded(x).pow(2).sum().backward()
+    quantized(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[torch.float32])
+    for (name, p), (_, ref) in zip(sharded.named_parameters(), quantized.named_parameters()):
+        if p.requires_grad:  # biases train; int8 weights are frozen
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **TOL[torch.float32], msg=name)
+
+
+@world_sizes(2, 4)
+def test_gradients_reach_activations_and_biases_through_sharded_quantized_layers(world_size):
+    run_on_ranks(_sharded_backward_matches, world_size)
 
 
 def _gather_moves_int8():
@@ -170,8 +199,10 @@ def test_quantized_llama_matches_unsharded_quantized_and_stays_near_float(world_
 
 
 def _weight_storage():
-    model = _quantize(nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 256)))
-    parallelize_module(model, tp_mesh(), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    model = _quantize(nn.Sequential(nn.Linear(256, 64, bias=False), nn.Linear(64, 256, bias=False)))
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    predicted = explain_plan(model, tp_mesh(), plan).bytes_per_rank()[dist.get_rank()]
+    parallelize_module(model, tp_mesh(), plan)
     world = dist.get_world_size()
     stored = 0
     for layer in model:
@@ -179,10 +210,11 @@ def _weight_storage():
         stored += local.qdata.untyped_storage().nbytes() + local.scale.untyped_storage().nbytes()
     # colwise: a quarter of the rows and their scales; rowwise: a quarter of the features, all scales
     expected = (64 * 256) // world + (64 // world) * 4 + (256 * 64) // world + 256 * 4
+    assert predicted == expected, (predicted, expected)  # explain_plan counts int8 + scales
     return stored, expected
 
 
 @world_sizes(2, 4)
-def test_per_rank_weight_storage_is_int8_bytes_over_world_size_plus_scales(world_size):
+def test_per_rank_weight_storage_is_int8_bytes_over_world_size_plus_scales_as_explained(world_size):
     for stored, expected in run_on_ranks(_weight_storage, world_size):
         assert stored == expected

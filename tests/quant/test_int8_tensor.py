@@ -144,10 +144,30 @@ def test_linear_mm_addmm_matmul_compute_in_the_input_dtype(dtype):
     torch.testing.assert_close(torch.mm(x[0], q.t()), x[0] @ w.t(), **tol)
 
 
-def test_matmul_with_scales_along_the_summed_dim_is_refused():
-    q = Int8SymmetricTensor.from_hp(_weight(16, 10))
-    with pytest.raises(NotImplementedError, match="summed dim"):
-        torch.mm(torch.randn(3, 16), q)
+def test_matmul_with_scales_along_the_summed_dim_folds_them_into_the_input():
+    q = Int8SymmetricTensor.from_hp(_weight(16, 10))  # scales per row = per summed index
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(torch.mm(x, q), x @ q.dequantize(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_flow_to_the_activations_through_a_quantized_linear(dtype):
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 10).to(dtype)
+    reference = nn.Linear(16, 10).to(dtype)
+    reference.load_state_dict(layer.state_dict())
+    from torch_tp.quant import quantize_module_weight
+
+    quantize_module_weight(layer)
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight.dequantize())
+    x = torch.randn(4, 16, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    layer(x).pow(2).sum().backward()
+    reference(x_ref).pow(2).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    assert layer.weight.grad is None and layer.bias.grad is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

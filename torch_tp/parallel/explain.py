@@ -133,11 +133,28 @@ def _shard_note(shape: tuple[int, ...], placement: Placement | None, num_ranks: 
     return ""
 
 
+def _local_bytes(param: torch.Tensor, local_shape: tuple[int, ...], placement) -> int:
+    """Bytes of one rank's shard. A tensor subclass that stores inner tensors (torchao's
+    ``tensor_data_names``: e.g. int8 ``qdata`` + float32 ``scale``) is counted by those, each
+    sharded along a dim only where its size follows the outer tensor's."""
+    inner_names = getattr(param, "tensor_data_names", None)
+    if not inner_names:
+        return int(torch.Size(local_shape).numel()) * param.element_size()
+    total = 0
+    for inner in (getattr(param, name) for name in inner_names):
+        shape = list(inner.shape)
+        if isinstance(placement, Shard) and inner.ndim == param.ndim:
+            dim = placement.dim % param.ndim
+            if inner.shape[dim] == param.shape[dim]:
+                shape[dim] = local_shape[dim]
+        total += int(torch.Size(shape).numel()) * inner.element_size()
+    return total
+
+
 def _param_row(module_path, name, param, style, placement, num_ranks, note="") -> ParamRow:
     shape = tuple(param.shape)
     locals_ = tuple(_local_shape(shape, placement, r, num_ranks) for r in range(num_ranks))
-    itemsize = param.element_size()
-    nbytes = tuple(int(torch.Size(s).numel()) * itemsize for s in locals_)
+    nbytes = tuple(_local_bytes(param, s, placement) for s in locals_)
     note = note or _shard_note(shape, placement, num_ranks)
     return ParamRow(module_path, name, style, shape, param.dtype, placement, locals_, nbytes, note)
 

@@ -2,9 +2,8 @@
 
 | op | the path that reaches it |
 | --- | --- |
-| ``F.linear`` (torch function) | ``nn.Linear`` with an unsharded quantized weight |
-| ``linear`` | ``F.linear`` when it is not decomposed |
-| ``mm`` / ``addmm`` | ``F.linear`` decomposed (``x @ w.t()``, DTensor's local op) |
+| ``linear`` | ``F.linear`` when it reaches dispatch undecomposed |
+| ``mm`` / ``addmm`` | ``F.linear`` decomposed (``x @ w.t()``, DTensor's local op); its input gradient (``grad @ w``) |
 | ``matmul`` | ``x @ w.t()`` in user code (decomposes to ``mm``) |
 | ``embedding`` | ``nn.Embedding`` / ``F.embedding`` |
 
@@ -19,14 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements, implements_torch_function
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 
 __all__: list[str] = []
 
 aten = torch.ops.aten
 # torch 2.13's CPU _weight_int8pack_mm is only used for float32: for bfloat16 it returns
-# wrong results when K is not a multiple of 16 (e.g. a 40-feature input split over 2
-# ranks, K = 20) and crashes the process for small K. Other dtypes convert the int8
+# wrong results, or crashes the process, for some K that are not multiples of 8 (seen at
+# K = 4, 12, 20, 28, 36, 100 -- e.g. a 40-feature input split over 2 ranks, K = 20). Other dtypes convert the int8
 # matrix (exactly: |q| <= 127 fits bfloat16's mantissa) and use the regular matmul.
 _PACKED_MM_DTYPES = (torch.float32,)
 
@@ -41,22 +40,24 @@ def _rows_times_weight(x2d: torch.Tensor, qdata_nk: torch.Tensor, scale_n: torch
     return scale_n * torch.mm(x2d, qdata_nk.t().to(x2d.dtype))
 
 
-def _require_output_scales(w: Int8SymmetricTensor, op: str, out_dim: int) -> None:
-    """The scale must vary along the output features, not the summed (reduction) dim."""
-    reduction_dim = 1 - out_dim
-    if w.scale_follows(reduction_dim) and w.shape[reduction_dim] != 1:
-        raise NotImplementedError(
-            f"{op} with an {type(w).__name__} whose scales run along the summed dim "
-            f"(shape {tuple(w.shape)}, scale {tuple(w.scale.shape)}): the scale cannot be "
-            f"factored out. Use the weight as nn.Linear does, x @ w.t()"
-        )
+def _quantized_matmul(x2d: torch.Tensor, qdata_kn: torch.Tensor, scale_kn: torch.Tensor) -> torch.Tensor:
+    """``x2d @ (qdata_kn * scale_kn)`` for a ``(K, N)`` int8 operand, in ``x2d.dtype``.
+
+    Scales per output column (``(1, N)``, a linear weight used as ``x @ w.t()``) factor out
+    of the sum: ``(x @ q) * s``. Scales per summed row (``(K, 1)``: ``grad @ w`` in the
+    backward of ``F.linear``) fold into the input first: ``(x * s.T) @ q``. Either way the
+    int8 matrix is never scaled in float.
+    """
+    if scale_kn.shape[0] == 1:
+        return _rows_times_weight(x2d, qdata_kn.t(), scale_kn.reshape(-1))
+    scaled = x2d * scale_kn.reshape(1, -1).to(x2d.dtype)
+    return torch.mm(scaled, qdata_kn.to(x2d.dtype))
 
 
 def _linear(x: torch.Tensor, w: Int8SymmetricTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a weight of shape ``(out, in)`` with per-output-row scales."""
-    _require_output_scales(w, "linear", out_dim=0)
+    """``F.linear(x, w, bias)``: ``x @ w.t()`` for a weight of shape ``(out, in)``."""
     x2d = x.reshape(-1, x.shape[-1])
-    y = _rows_times_weight(x2d, w.qdata, w.scale.reshape(-1))
+    y = _quantized_matmul(x2d, w.qdata.t(), w.scale.t())
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -70,7 +71,9 @@ def _require_plain_input(x, op: str) -> None:
         )
 
 
-@implements_torch_function(F.linear)
+# No __torch_function__ override for F.linear: that would run above autograd, and the CPU
+# int8 kernel has no derivative. F.linear decomposes to t + addmm/mm below autograd, whose
+# backward (grad @ w) is the mm below with scales along the summed dim.
 @implements(aten.linear.default)
 def _int8_linear(func, types, args, kwargs):
     x, w = args[0], args[1]
@@ -79,23 +82,23 @@ def _int8_linear(func, types, args, kwargs):
     return _linear(x, w, bias)
 
 
-def _mm_by_transposed_weight(x: torch.Tensor, w_t: Int8SymmetricTensor, op: str) -> torch.Tensor:
-    """``x @ w_t`` where ``w_t`` is a linear weight transposed: ``(in, out)``, scales per column."""
+def _mm(x: torch.Tensor, w: Int8SymmetricTensor, op: str) -> torch.Tensor:
+    """``x @ w`` for a quantized ``(K, N)`` right operand (``w.t()`` of a linear weight, or the
+    weight itself in ``F.linear``'s input gradient)."""
     _require_plain_input(x, op)
-    _require_output_scales(w_t, op, out_dim=1)
-    return _rows_times_weight(x, w_t.qdata.t(), w_t.scale.reshape(-1))
+    return _quantized_matmul(x, w.qdata, w.scale)
 
 
 @implements(aten.mm.default)
 def _int8_mm(func, types, args, kwargs):
-    return _mm_by_transposed_weight(args[0], args[1], "mm")
+    return _mm(args[0], args[1], "mm")
 
 
 @implements(aten.addmm.default)
 def _int8_addmm(func, types, args, kwargs):
     bias, x, w_t = args[:3]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    y = _mm_by_transposed_weight(x, w_t, "addmm")
+    y = _mm(x, w_t, "addmm")
     if alpha != 1:
         y = y * alpha
     return y + (bias if beta == 1 else bias * beta).to(y.dtype)

@@ -8,6 +8,7 @@ its values dequantize to exactly 0).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["QMAX", "quantize_per_row", "dequantize_per_row"]
 
@@ -18,6 +19,11 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _check_weight(w: torch.Tensor) -> None:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"expected a float tensor to quantize, got {type(w).__name__}")
+    if isinstance(w, DTensor):
+        raise TypeError(
+            f"this weight is already a DTensor ({w.placements}): quantize the model first, "
+            f"then parallelize_module it (the styles shard the quantized weight)"
+        )
     if w.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"int8 symmetric quantization takes a float32/bfloat16/float16 weight, got {w.dtype}; "
