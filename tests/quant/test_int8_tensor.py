@@ -26,6 +26,8 @@ def test_from_hp_is_symmetric_per_row_and_keeps_the_logical_dtype(dtype):
     err = (q.dequantize().float() - w.float()).abs()
     assert (err <= q.scale / 2 + 1e-6 + (0.01 if dtype == torch.bfloat16 else 0)).all()
     assert q.dequantize().dtype == dtype and q.dequantize(torch.float32).dtype == torch.float32
+    assert q.dequantize(dtype=torch.float16).dtype == torch.float16
+    assert q.dequantize(output_dtype=torch.float16).dtype == torch.float16
 
 
 def test_all_zero_row_gets_a_finite_scale_and_dequantizes_to_zero():

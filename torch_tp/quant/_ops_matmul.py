@@ -16,7 +16,6 @@ float32 on CPU, or converted to the input dtype elsewhere (see ``_PACKED_MM_DTYP
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 

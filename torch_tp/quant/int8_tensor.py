@@ -78,8 +78,12 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
 
     from_float = from_hp
 
-    def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(
+        self, output_dtype: torch.dtype | None = None, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The float tensor this one stands for, as ``output_dtype`` (default: its own dtype).
+
+        ``dtype=`` is accepted as another name for ``output_dtype`` (torchao's spelling).
 
         Example::
 
@@ -87,7 +91,9 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
             >>> q.dequantize()
             tensor([[ 2.0000, -1.0079]])
         """
-        return dequantize_per_row(self.qdata, self.scale, output_dtype or self.dtype)
+        if output_dtype is not None and dtype is not None and output_dtype != dtype:
+            raise ValueError(f"dequantize got output_dtype={output_dtype} and dtype={dtype}; pass one")
+        return dequantize_per_row(self.qdata, self.scale, output_dtype or dtype or self.dtype)
 
     def scale_follows(self, dim: int) -> bool:
         """Whether ``scale`` varies along ``dim`` (so ops on that dim must apply to it too).
