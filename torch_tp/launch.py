@@ -54,6 +54,9 @@ def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:
     dist.init_process_group(backend, timeout=timeout)
     try:
         fn(*args)
+        # No rank may tear its process group down while a peer still talks to it: gloo
+        # aborts the process ("terminate called without an active exception") otherwise.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
