@@ -29,6 +29,8 @@ PUBLIC_MODULES = [
     "torch_tp.quant.int8_tensor",
     "torch_tp.quant.config",
     "torch_tp.demo",
+    "torch_tp.conv",
+    "torch_tp.conv.halo",
 ]
 
 

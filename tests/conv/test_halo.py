@@ -1,0 +1,258 @@
+"""halo_exchange on real gloo ranks: right halos, neighbours only, exact adjoint, pinned bytes.
+
+Every P2P op the exchange issues is recorded (kind, global peer, bytes) by wrapping
+``torch.distributed.batch_isend_irecv`` inside the rank, so the tests see exactly which
+ranks talk and how many bytes each one sends. Values are small integers, so comparisons
+with the single-process reference are exact.
+"""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch_tp.conv import conv_windows, halo_bytes, halo_exchange
+from torch_tp.testing import mesh_2x2, rank, run_on_ranks, tp_mesh, world_size, world_sizes
+
+
+@contextlib.contextmanager
+def _recorded_p2p():
+    """Yield a list that collects ``(kind, global_peer, nbytes)`` of every P2P op issued."""
+    records = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        for op in ops:
+            kind = "send" if op.op is dist.isend else "recv"
+            records.append((kind, op.peer, op.tensor.numel() * op.tensor.element_size()))
+        return real(ops)
+
+    with mock.patch.object(dist, "batch_isend_irecv", recording):
+        yield records
+
+
+def _counts(window):
+    return dict(recv_left=window.recv_left, recv_right=window.recv_right,
+                send_left=window.send_left, send_right=window.send_right)
+
+
+def _bounds(size, num_ranks):
+    chunk = -(-size // num_ranks)
+    return [(min(r * chunk, size), min((r + 1) * chunk, size)) for r in range(num_ranks)]
+
+
+def _exchange_on(mesh, global_x, *, dim, recv_left, recv_right, how):
+    """Run the exchange for this rank's shard of ``global_x`` over ``mesh["tp"]``; check the
+    values, the adjoint and that it only talks to its neighbours on that mesh dim.
+
+    ``recv_left``/``recv_right`` list every position's counts; the sends follow from them.
+    ``how`` says whether the exchange gets ``group=`` (the "tp" sub-group) or ``mesh=``.
+    """
+    group = mesh.get_group("tp")
+    position, size = mesh.get_local_rank("tp"), mesh.size(mesh.mesh_dim_names.index("tp"))
+    group_ranks = dist.get_process_group_ranks(group)
+    bounds = _bounds(global_x.shape[dim], size)
+    counts = dict(
+        recv_left=recv_left[position], recv_right=recv_right[position],
+        send_left=recv_right[position - 1] if position > 0 else 0,
+        send_right=recv_left[position + 1] if position + 1 < size else 0,
+    )
+    start, stop = bounds[position]
+    x = global_x.narrow(dim, start, stop - start).clone().requires_grad_()
+    where = dict(group=group) if how == "group" else dict(mesh=mesh, mesh_dim="tp")
+    with _recorded_p2p() as records:
+        strip = halo_exchange(x, dim=dim, **counts, **where)
+    lo, hi = start - counts["recv_left"], stop + counts["recv_right"]
+    assert torch.equal(strip, global_x.narrow(dim, lo, hi - lo)), (position, strip, lo, hi)
+    _check_adjoint(x, strip, global_x, dim=dim, bounds=bounds, recv_left=recv_left, recv_right=recv_right,
+                   position=position, group=group)
+    peers = {peer for _, peer, _ in records}
+    neighbours = {group_ranks[p] for p in (position - 1, position + 1) if 0 <= p < size}
+    assert peers <= neighbours, (position, peers, neighbours)  # no ring, no other row
+    return sorted(records)
+
+
+def _check_adjoint(x, strip, global_x, *, dim, bounds, recv_left, recv_right, position, group):
+    """x.grad from the exchange's backward equals the gradient computed on the gathered tensor."""
+    gen = torch.Generator().manual_seed(7)
+    size = len(bounds)
+    lows = [bounds[p][0] - recv_left[p] for p in range(size)]
+    highs = [bounds[p][1] + recv_right[p] for p in range(size)]
+    shapes = [global_x.narrow(dim, lows[p], highs[p] - lows[p]).shape for p in range(size)]
+    grads = [torch.randint(-4, 5, shape, generator=gen).float() for shape in shapes]  # same on every rank
+    (strip * grads[position]).sum().backward()
+    reference = global_x.clone().requires_grad_()
+    sum((reference.narrow(dim, lows[p], highs[p] - lows[p]) * grads[p]).sum() for p in range(size)).backward()
+    start, stop = bounds[position]
+    assert torch.equal(x.grad, reference.grad.narrow(dim, start, stop - start)), position
+    # <A x, g> == <x, A^T g>, summed over the group
+    dots = torch.stack([(strip.detach() * grads[position]).sum(), (x.detach() * x.grad).sum()])
+    dist.all_reduce(dots, group=group)
+    assert dots[0] == dots[1], dots
+
+
+# Per world size: global length along the sharded dim, recv_left and recv_right per position.
+# The shards of 7 on 2 are [4, 3]; of 10 on 4 [3, 3, 3, 1]; of 5 on 4 [2, 2, 1, 0] (an empty one).
+_ASYMMETRIC = {
+    2: [(7, [0, 3], [2, 0]), (1, [0, 1], [0, 0])],
+    4: [(10, [0, 3, 1, 1], [2, 1, 1, 0]), (5, [0, 2, 1, 1], [1, 0, 0, 0])],
+}
+
+
+def _asymmetric_cases(how):
+    size = world_size()
+    results = []
+    for length, recv_left, recv_right in _ASYMMETRIC[size]:
+        global_x = torch.arange(2 * length * 3, dtype=torch.float32).view(2, length, 3)
+        counts = dict(recv_left=recv_left, recv_right=recv_right)
+        results.append(_exchange_on(tp_mesh(), global_x, dim=1, **counts, how=how))
+    return results
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("how", ["group", "mesh"])
+def test_forward_returns_neighbour_halos_and_backward_is_the_exact_adjoint(world_size, how):
+    records = run_on_ranks(_asymmetric_cases, world_size, how)
+    first = records[0][0]
+    # rank 0 of the first case sends its right neighbour recv_left[1] slices and receives its
+    # recv_right[0]; it never talks to anyone else.
+    length, recv_left, recv_right = _ASYMMETRIC[world_size][0]
+    assert first == sorted([("recv", 1, recv_right[0] * 2 * 3 * 4), ("send", 1, recv_left[1] * 2 * 3 * 4)])
+    last = records[-1][0]
+    assert {peer for _, peer, _ in last} == {world_size - 2}
+
+
+def _rows_of_2x2_mesh(how):
+    row = mesh_2x2().get_local_rank("dp")
+    global_x = torch.arange(2 * 7 * 3, dtype=torch.float32).view(2, 3, 7) + 1000 * row  # rows differ
+    return _exchange_on(mesh_2x2(), global_x, dim=-1, recv_left=[0, 3], recv_right=[2, 0], how=how)
+
+
+@pytest.mark.parametrize("how", ["group", "mesh"])
+def test_on_a_2x2_mesh_only_ranks_of_the_same_tp_row_exchange(how):
+    records = run_on_ranks(_rows_of_2x2_mesh, 4, how)
+    assert {peer for _, peer, _ in records[0]} == {1} and {peer for _, peer, _ in records[1]} == {0}
+    assert {peer for _, peer, _ in records[2]} == {3} and {peer for _, peer, _ in records[3]} == {2}
+
+
+def _bytes_sent(case):
+    """Forward and backward isend bytes of this rank for a conv geometry, and its send count."""
+    in_size, conv = case
+    windows = conv_windows(in_size, world_size(), **conv)
+    w = windows[rank()]
+    global_x = torch.arange(2 * 3 * in_size, dtype=torch.float32).view(2, 3, in_size)
+    x = global_x[..., w.in_start : w.in_stop].clone().requires_grad_()
+    counts = _counts(w)
+    with _recorded_p2p() as forward:
+        strip = halo_exchange(x, dim=-1, **counts, mesh=tp_mesh())
+    with _recorded_p2p() as backward:
+        strip.sum().backward()
+    sent = [sum(b for kind, _, b in records if kind == "send") for records in (forward, backward)]
+    expected = [halo_bytes(windows, slice_numel=6, element_size=4, direction=d)[rank()]
+                for d in ("forward", "backward")]
+    assert sent == expected, (case, sent, expected)
+    return sum(kind == "send" for kind, _, _ in forward)
+
+
+_BYTES_CASES = [
+    (30, dict(kernel_size=5, padding=2)),
+    (30, dict(kernel_size=4, padding="same", dilation=2)),
+    (30, dict(kernel_size=3, stride=2, padding=1)),
+    (9, dict(kernel_size=2, stride=2)),
+]
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("case", _BYTES_CASES, ids=["k5p2", "k4same-d2", "k3s2p1", "w9k2s2"])
+def test_bytes_each_rank_sends_equal_the_halo_formula(world_size, case):
+    sends = run_on_ranks(_bytes_sent, world_size, case)
+    if case == _BYTES_CASES[0]:  # symmetric halos: edge ranks send one, inner ranks two
+        assert sends == [1] + [2] * (world_size - 2) + [1]
+    assert sends[0] <= 1 and sends[-1] <= 1
+
+
+def _conv_through_halos(case):
+    """Local conv1d on the exchanged, trimmed, padded strip equals the global conv (and grads)."""
+    in_size, conv = case
+    windows = conv_windows(in_size, world_size(), **conv)
+    w = windows[rank()]
+    gen = torch.Generator().manual_seed(3)
+    global_x = torch.randint(-3, 4, (2, 3, in_size), generator=gen).float()
+    weight = torch.randint(-2, 3, (4, 3, conv["kernel_size"]), generator=gen).float().requires_grad_()
+    reference_x = global_x.clone().requires_grad_()
+    expected = F.conv1d(reference_x, weight, stride=conv.get("stride", 1), padding=conv.get("padding", 0),
+                        dilation=conv.get("dilation", 1))
+    grad_out = torch.randint(-2, 3, expected.shape, generator=gen).float()
+    reference_grads = torch.autograd.grad(expected, [reference_x, weight], grad_out)
+    x = global_x[..., w.in_start : w.in_stop].clone().requires_grad_()
+    strip = halo_exchange(x, dim=-1, **_counts(w), mesh=tp_mesh())
+    local = F.pad(strip[..., w.trim_left : w.strip_size - w.trim_right], (w.pad_left, w.pad_right))
+    if w.out_size:
+        out = F.conv1d(local, weight, stride=conv.get("stride", 1), dilation=conv.get("dilation", 1))
+    else:  # nothing to compute here, but the rank still takes part in the backward exchange
+        out = local.new_zeros(2, 4, 0)
+    assert torch.equal(out, expected[..., w.out_start : w.out_stop].detach())
+    # strip.sum() * 0 keeps every rank (also one without outputs) in the backward exchange
+    loss = (out * grad_out[..., w.out_start : w.out_stop]).sum() + strip.sum() * 0
+    loss.backward()
+    weight_grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    dist.all_reduce(weight_grad)
+    assert torch.equal(x.grad, reference_grads[0][..., w.in_start : w.in_stop])
+    assert torch.equal(weight_grad, reference_grads[1])
+    return w.out_size
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("case", _BYTES_CASES, ids=["k5p2", "k4same-d2", "k3s2p1", "w9k2s2"])
+def test_local_conv_on_exchanged_halos_matches_the_global_conv_and_its_gradients(world_size, case):
+    out_sizes = run_on_ranks(_conv_through_halos, world_size, case)
+    assert sum(out_sizes) > 0
+
+
+def _invalid_calls():
+    x = torch.zeros(2, 3)
+    mesh = tp_mesh()
+    counts = dict(recv_left=0, recv_right=0, send_left=0, send_right=0)
+    checks = [
+        (dict(counts, send_left=4), "send_left=4 but this rank's shard holds only 3 slices along dim 1"),
+        (dict(counts, recv_right=-1), "recv_right must be an int >= 0, got -1"),
+        (dict(counts, send_right=1.0), "send_right must be an int >= 0, got 1.0"),
+    ]
+    for kwargs, match in checks:
+        with pytest.raises(ValueError, match=match):
+            halo_exchange(x, dim=-1, **kwargs, mesh=mesh)
+    with pytest.raises(ValueError, match="exactly one of group= or mesh="):
+        halo_exchange(x, dim=1, **counts)
+    with pytest.raises(ValueError, match="exactly one of group= or mesh="):
+        halo_exchange(x, dim=1, **counts, group=mesh.get_group(), mesh=mesh)
+    with pytest.raises(ValueError, match="dim=2 is out of range for a 2-D shard"):
+        halo_exchange(x, dim=2, **counts, mesh=mesh)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with pytest.raises(ValueError, match=r"takes the local shard \(x.to_local\(\)\)"):
+        halo_exchange(distribute_tensor(torch.zeros(2, 4), mesh, [Shard(1)]), dim=1, **counts, mesh=mesh)
+    # Edge ranks have one neighbour; called only where it must raise, so no rank waits.
+    if rank() == 0:
+        with pytest.raises(ValueError, match="position 0 of .* has no left neighbour .*nothing wraps around"):
+            halo_exchange(x, dim=1, **dict(counts, recv_left=1), mesh=mesh)
+    if rank() == world_size() - 1:
+        with pytest.raises(ValueError, match="has no right neighbour .* send_right must be 0, got 0 and 2"):
+            halo_exchange(x, dim=1, **dict(counts, send_right=2), mesh=mesh)
+    return True
+
+
+@world_sizes(2, 4)
+def test_invalid_arguments_raise_value_error_before_any_message(world_size):
+    assert run_on_ranks(_invalid_calls, world_size) == [True] * world_size
+
+
+def _mesh_dim_required_on_2d_mesh():
+    with pytest.raises(ValueError, match="on a 2-D mesh needs mesh_dim="):
+        halo_exchange(torch.zeros(3), dim=0, **_counts(conv_windows(3, 1, kernel_size=1)[0]), mesh=mesh_2x2())
+    return True
+
+
+def test_a_2d_mesh_needs_mesh_dim():
+    assert run_on_ranks(_mesh_dim_required_on_2d_mesh, 4) == [True] * 4

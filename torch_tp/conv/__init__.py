@@ -1,0 +1,21 @@
+"""torch_tp.conv: convolution with its input sharded along a spatial dim (halo exchange).
+
+The foundation of spatially sharded convolution: :func:`conv_windows` says, per rank, which
+border slices its outputs need from its neighbours (pure integer math), and
+:func:`halo_exchange` moves them between neighbouring ranks of a process group or mesh dim,
+with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each rank sends.
+
+Importing this package changes no DTensor behaviour.
+
+Example::
+
+    >>> from torch_tp.conv import conv_windows, halo_bytes
+    >>> windows = conv_windows(30, 4, kernel_size=5, padding=2)
+    >>> halo_bytes(windows, slice_numel=16, element_size=4)  # 16 = batch * channels
+    [128, 256, 256, 128]
+"""
+
+from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
+from torch_tp.conv.halo import halo_bytes, halo_exchange
+
+__all__ = ["ShardWindow", "conv_windows", "halo_bytes", "halo_exchange", "resolve_padding"]

@@ -1,0 +1,319 @@
+"""Halo geometry of a convolution whose input is sharded along one spatial dim (pure integer math).
+
+Along the sharded dim the global input has ``in_size`` elements, split over ``num_ranks``
+ranks with DTensor's ``Shard`` rule (``torch.chunk`` sizes: ``chunk = ceil(in_size /
+num_ranks)``, rank ``r`` holds ``[r * chunk, min((r + 1) * chunk, in_size))``, possibly
+empty). The global output has
+
+    ``L_out = (in_size + pad_l + pad_r - dilation * (k - 1) - 1) // stride + 1``
+
+elements, and rank ``r`` owns the outputs the same chunk rule gives it on ``L_out``, so the
+output is itself a proper ``Shard`` of the global output. Output ``j`` reads the unpadded
+input positions ``j * stride - pad_l + i * dilation`` for ``i < k``, so the outputs
+``[a, b)`` read ``[a * stride - pad_l, (b - 1) * stride - pad_l + dilation * (k - 1) + 1)``.
+
+:func:`conv_windows` turns that into one :class:`ShardWindow` per rank: what to receive from
+and send to each neighbour, how much of the received strip to trim, and how many zeros to
+add at the global edges. Nothing here touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+__all__ = ["ShardWindow", "conv_windows", "resolve_padding"]
+
+Padding = Union[int, str, Sequence[int]]
+_BAD_PADDING = "padding must be an int, a (left, right) pair, 'valid' or 'same', got {!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardWindow:
+    """What one rank holds, owns, reads and exchanges for a convolution along a sharded dim.
+
+    All positions are global indices along the sharded dim, half-open ``[start, stop)``.
+
+    Fields:
+        rank: position of the rank on the sharded mesh dim (``0 .. num_ranks - 1``).
+        in_start, in_stop: its input shard.
+        out_start, out_stop: the global outputs it owns.
+        need_start, need_stop: the unpadded input positions its outputs span, from the first
+            tap of its first output to the last tap of its last output; below ``0`` and from
+            ``in_size`` on that is zero padding. Empty (at ``in_start``) for a rank without outputs.
+        recv_left, recv_right: elements received from the left / right neighbour: always the
+            end (suffix) of the left neighbour's shard / the start (prefix) of the right one's.
+        send_left, send_right: elements sent to the left / right neighbour: a prefix / a
+            suffix of its own shard (the neighbour's ``recv_right`` / ``recv_left``).
+        trim_left, trim_right: elements dropped from the two ends of the exchanged strip
+            ``halo_left ++ own ++ halo_right`` because no owned output reads them.
+        pad_left, pad_right: zeros to add at the two ends after trimming: the padding at the
+            global edges, plus the real edge positions no tap reads (dilation can skip them,
+            and they are then neither exchanged nor kept).
+
+    The local convolution input is therefore
+    ``pad(strip[trim_left : len(strip) - trim_right], (pad_left, pad_right))``, and convolving
+    it with padding 0 and the same stride and dilation gives exactly the owned outputs. The
+    halos hold only needed data, so the trims cut own elements, except in the rare
+    stride > 1 case where a rank's outputs read none of its own shard: then a trim may also
+    cut part of a received halo (halos are always a prefix / suffix of a neighbour's shard).
+
+    Example:
+        >>> w = conv_windows(8, 2, kernel_size=3, padding=1)[0]
+        >>> (w.in_start, w.in_stop, w.out_start, w.out_stop, w.need_start, w.need_stop)
+        (0, 4, 0, 4, -1, 5)
+        >>> (w.recv_left, w.recv_right, w.send_left, w.send_right, w.pad_left, w.pad_right)
+        (0, 1, 0, 1, 1, 0)
+        >>> w.strip_size, w.local_size, w.out_size
+        (5, 6, 4)
+    """
+
+    rank: int
+    in_start: int
+    in_stop: int
+    out_start: int
+    out_stop: int
+    need_start: int
+    need_stop: int
+    recv_left: int
+    recv_right: int
+    send_left: int
+    send_right: int
+    trim_left: int
+    trim_right: int
+    pad_left: int
+    pad_right: int
+
+    @property
+    def in_size(self) -> int:
+        """Length of the rank's input shard."""
+        return self.in_stop - self.in_start
+
+    @property
+    def out_size(self) -> int:
+        """Number of outputs the rank owns (0 means: skip the local convolution)."""
+        return self.out_stop - self.out_start
+
+    @property
+    def strip_size(self) -> int:
+        """Length of ``halo_left ++ own ++ halo_right`` (what the halo exchange returns)."""
+        return self.recv_left + self.in_size + self.recv_right
+
+    @property
+    def local_size(self) -> int:
+        """Length of the local convolution input: the trimmed strip plus the edge zeros."""
+        return self.strip_size - self.trim_left - self.trim_right + self.pad_left + self.pad_right
+
+
+def _chunks(size: int, num_ranks: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every rank under ``torch.chunk`` sizes (DTensor's ``Shard``)."""
+    chunk = -(-size // num_ranks)
+    return [(min(r * chunk, size), min((r + 1) * chunk, size)) for r in range(num_ranks)]
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"conv_windows needs a positive int {name}, got {value!r}")
+
+
+def resolve_padding(
+    padding: Padding, *, kernel_size: int, stride: int = 1, dilation: int = 1
+) -> tuple[int, int]:
+    """``(left, right)`` zeros of one spatial dim, validated against the supported range.
+
+    ``padding`` is an int, a ``(left, right)`` pair, ``"valid"`` (0) or ``"same"`` (torch's
+    rule, stride 1 only: ``total = dilation * (k - 1)``, ``left = total // 2``, the extra zero on
+    the right). Each side must lie in ``0 .. dilation * (k - 1)``: more would add outputs that
+    read nothing but zeros.
+
+    Example:
+        >>> resolve_padding("same", kernel_size=4, dilation=1)
+        (1, 2)
+        >>> resolve_padding(2, kernel_size=3, dilation=2)
+        (2, 2)
+        >>> resolve_padding(3, kernel_size=3)
+        Traceback (most recent call last):
+        ValueError: sharded convolution supports padding 0..dilation*(kernel_size-1) = 0..2 ...
+    """
+    span = dilation * (kernel_size - 1)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0)
+        if padding != "same":
+            raise ValueError(_BAD_PADDING.format(padding))
+        if stride != 1:
+            raise ValueError(f"padding='same' needs stride 1 (torch refuses it too), got stride={stride}")
+        return (span // 2, span - span // 2)
+    pair = (padding, padding) if isinstance(padding, int) else tuple(padding)
+    if len(pair) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) for p in pair):
+        raise ValueError(_BAD_PADDING.format(padding))
+    if not all(0 <= p <= span for p in pair):
+        raise ValueError(
+            f"sharded convolution supports padding 0..dilation*(kernel_size-1) = 0..{span} on each "
+            f"side (kernel_size={kernel_size}, dilation={dilation}), got {pair}"
+        )
+    return pair
+
+
+def conv_windows(
+    in_size: int,
+    num_ranks: int,
+    *,
+    kernel_size: int,
+    stride: int = 1,
+    padding: Padding = 0,
+    dilation: int = 1,
+) -> list[ShardWindow]:
+    """One :class:`ShardWindow` per rank for a convolution along a ``Shard``-ed dim.
+
+    Keyword Args:
+        kernel_size, stride, dilation: the convolution's values on this dim (positive ints).
+        padding: an int, a ``(left, right)`` pair, ``"valid"`` or ``"same"`` (stride 1), each
+            side in ``0 .. dilation * (kernel_size - 1)``.
+
+    Returns:
+        ``list[ShardWindow]``, indexed by the rank's position on the sharded mesh dim. The
+        windows agree with each other: ``windows[r].send_left == windows[r - 1].recv_right``
+        and ``windows[r].send_right == windows[r + 1].recv_left``; the first rank receives
+        nothing from the left and the last nothing from the right (no ring).
+
+    Raises:
+        ValueError: a non-positive size; padding out of range or ``"same"`` with stride > 1;
+            an input too short for the dilated kernel; or a rank whose outputs read data beyond
+            its immediate neighbours (a halo wider than the neighbour's shard), naming the
+            rank, the sizes and the shards.
+
+    Example:
+        >>> ws = conv_windows(30, 4, kernel_size=5, padding=2)  # uneven: shards 8, 8, 8, 6
+        >>> [(w.recv_left, w.recv_right) for w in ws]
+        [(0, 2), (2, 2), (2, 2), (2, 0)]
+        >>> [(w.send_left, w.send_right) for w in ws]
+        [(0, 2), (2, 2), (2, 2), (2, 0)]
+        >>> ws = conv_windows(9, 4, kernel_size=2, stride=2)  # rank 3 holds no input
+        >>> [(w.in_start, w.in_stop) for w in ws]
+        [(0, 3), (3, 6), (6, 9), (9, 9)]
+        >>> [(w.out_start, w.out_stop) for w in ws]
+        [(0, 1), (1, 2), (2, 3), (3, 4)]
+        >>> ws[3].recv_left, ws[3].trim_right  # output 3 reads [6, 8): receive 3, drop 1
+        (3, 1)
+        >>> ws = conv_windows(7, 3, kernel_size=1, stride=2)  # rank 2 owns no output ...
+        >>> [(w.out_size, w.send_left) for w in ws]  # ... but sends rank 1 the input it reads
+        [(2, 0), (2, 0), (0, 1)]
+        >>> conv_windows(8, 4, kernel_size=7, padding=3)
+        Traceback (most recent call last):
+        ValueError: rank 0 of 4 needs input [0, 5) but holds [0, 2): a halo of 3 from its right neighbour, ...
+
+    .. note::
+        With stride > 1 the output chunks do not line up with the input chunks (rank ``r``
+        owns outputs from ``r * ceil(L_out / num_ranks)``, which read input from about
+        ``stride`` times that), so a rank's halos can be lopsided (all from one side), its
+        outputs may read little or none of its own shard, and a rank may own no output at all
+        while it still has to send halos. A rank with ``out_size == 0`` skips its local
+        convolution but takes part in the exchange. When the drift reaches past a neighbour,
+        ``ValueError`` says so.
+    """
+    _check_positive(
+        in_size=in_size, num_ranks=num_ranks, kernel_size=kernel_size, stride=stride, dilation=dilation
+    )
+    pad_l, pad_r = resolve_padding(padding, kernel_size=kernel_size, stride=stride, dilation=dilation)
+    span = dilation * (kernel_size - 1)
+    out_total = (in_size + pad_l + pad_r - span - 1) // stride + 1
+    if out_total < 1:
+        raise ValueError(
+            f"input of length {in_size} padded by ({pad_l}, {pad_r}) is shorter than the dilated "
+            f"kernel span dilation*(kernel_size-1)+1 = {span + 1}; the convolution has no output"
+        )
+    in_chunks, out_chunks = _chunks(in_size, num_ranks), _chunks(out_total, num_ranks)
+    halves = [
+        _own_side(r, in_chunks, out_chunks[r], stride=stride, pad_l=pad_l, dilation=dilation, span=span)
+        for r in range(num_ranks)
+    ]
+    windows = []
+    for r, half in enumerate(halves):
+        send_left = halves[r - 1]["recv_right"] if r > 0 else 0
+        send_right = halves[r + 1]["recv_left"] if r + 1 < num_ranks else 0
+        windows.append(ShardWindow(send_left=send_left, send_right=send_right, **half))
+    return windows
+
+
+def _own_side(
+    r: int,
+    in_chunks: list[tuple[int, int]],
+    out_chunk: tuple[int, int],
+    *,
+    stride: int,
+    pad_l: int,
+    dilation: int,
+    span: int,
+) -> dict[str, int]:
+    """Every :class:`ShardWindow` field of rank ``r`` but the sends (those are its neighbours')."""
+    in_size = in_chunks[-1][1]
+    in_start, in_stop = in_chunks[r]
+    out_start, out_stop = out_chunk
+    fields = dict(rank=r, in_start=in_start, in_stop=in_stop, out_start=out_start, out_stop=out_stop)
+    if out_stop == out_start:  # nothing to compute: receive nothing, trim the whole shard
+        return dict(fields, need_start=in_start, need_stop=in_start, recv_left=0, recv_right=0,
+                    trim_left=in_stop - in_start, trim_right=0, pad_left=0, pad_right=0)
+    need_start = out_start * stride - pad_l
+    need_stop = (out_stop - 1) * stride - pad_l + span + 1
+    lo, hi = _read_range(out_chunk, in_size, stride=stride, pad_l=pad_l, dilation=dilation, span=span)
+    if lo < hi:
+        recv_left, recv_right = max(0, in_start - lo), max(0, hi - in_stop)
+        trim_left, trim_right = lo - (in_start - recv_left), (in_stop + recv_right) - hi
+        _check_neighbours(r, in_chunks, (lo, hi), recv_left, recv_right)
+    else:  # every tap lands in the padding: the outputs are bias only, the input all zeros
+        lo = hi = need_stop
+        recv_left = recv_right = trim_right = 0
+        trim_left = in_stop - in_start
+    return dict(
+        fields, need_start=need_start, need_stop=need_stop, recv_left=recv_left, recv_right=recv_right,
+        trim_left=trim_left, trim_right=trim_right, pad_left=lo - need_start, pad_right=need_stop - hi,
+    )
+
+
+def _read_range(
+    out_chunk: tuple[int, int], in_size: int, *, stride: int, pad_l: int, dilation: int, span: int
+) -> tuple[int, int]:
+    """``[first, last + 1)`` of the real input positions (in ``[0, in_size)``) that the taps of
+    outputs ``out_chunk`` read; ``(0, 0)`` if every tap lands in the padding.
+
+    Only the first and last few outputs can have taps in the padding, so the scans stop at the
+    first output whose outermost tap is real (at most ``span // stride + 1`` outputs each).
+    """
+    out_start, out_stop = out_chunk
+    first = last = None
+    for j in range(out_start, out_stop):
+        base = j * stride - pad_l  # tap 0 of output j
+        t = base + max(0, -(base // dilation)) * dilation  # its first tap at >= 0
+        if t <= base + span and t < in_size:
+            first = t if first is None else min(first, t)
+        if base >= 0:
+            break
+    for j in range(out_stop - 1, out_start - 1, -1):
+        top = j * stride - pad_l + span  # last tap of output j
+        t = top - max(0, -((in_size - 1 - top) // dilation)) * dilation  # its last tap at < in_size
+        if t >= top - span and t >= 0:
+            last = t if last is None else max(last, t)
+        if top < in_size:
+            break
+    return (0, 0) if first is None else (first, last + 1)
+
+
+def _check_neighbours(
+    r: int, in_chunks: list[tuple[int, int]], reads: tuple[int, int], recv_left: int, recv_right: int
+) -> None:
+    """Raise unless each halo fits in the immediate neighbour's shard (no multi-hop halos)."""
+    num_ranks = len(in_chunks)
+    in_start, in_stop = in_chunks[r]
+    left = in_chunks[r - 1] if r > 0 else (in_start, in_start)
+    right = in_chunks[r + 1] if r + 1 < num_ranks else (in_stop, in_stop)
+    for side, wanted, (n_start, n_stop) in (("left", recv_left, left), ("right", recv_right, right)):
+        if wanted > n_stop - n_start:
+            raise ValueError(
+                f"rank {r} of {num_ranks} needs input [{reads[0]}, {reads[1]}) but holds "
+                f"[{in_start}, {in_stop}): a halo of {wanted} from its {side} neighbour, whose shard "
+                f"[{n_start}, {n_stop}) holds only {n_stop - n_start}. Halos may only come from "
+                f"immediate neighbours; use fewer ranks or a larger input "
+                f"(shards {[c[1] - c[0] for c in in_chunks]})"
+            )
