@@ -4,6 +4,8 @@ The foundation of spatially sharded convolution: :func:`conv_windows` says, per 
 border slices its outputs need from its neighbours (pure integer math), and
 :func:`halo_exchange` moves them between neighbouring ranks of a process group or mesh dim,
 with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each rank sends.
+:func:`install` / :func:`uninstall` / :func:`sharded_convolution` put DTensor handlers for
+``aten.convolution`` and its backward in place that use them (see :mod:`torch_tp.conv.sharded_conv`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -17,5 +19,25 @@ Example::
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
 from torch_tp.conv.halo import halo_bytes, halo_exchange
+from torch_tp.conv.sharded_conv import (
+    convolution_backward_handler,
+    convolution_handler,
+    install,
+    is_installed,
+    sharded_convolution,
+    uninstall,
+)
 
-__all__ = ["ShardWindow", "conv_windows", "halo_bytes", "halo_exchange", "resolve_padding"]
+__all__ = [
+    "ShardWindow",
+    "conv_windows",
+    "convolution_backward_handler",
+    "convolution_handler",
+    "halo_bytes",
+    "halo_exchange",
+    "install",
+    "is_installed",
+    "resolve_padding",
+    "sharded_convolution",
+    "uninstall",
+]

@@ -93,28 +93,43 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_shard, dim, recv_left, recv_right, send_left, send_right, nb):  # type: ignore
-        n = x_shard.shape[dim]
-        ctx.args = (dim, recv_left, recv_right, send_left, send_right, nb, n)  # no tensors saved
-        to_left = x_shard.narrow(dim, 0, send_left).contiguous()
-        to_right = x_shard.narrow(dim, n - send_right, send_right).contiguous()
-        halo_left = _empty_slices(x_shard, dim, recv_left)
-        halo_right = _empty_slices(x_shard, dim, recv_right)
-        _send_recv(to_left, to_right, halo_left, halo_right, nb)
-        return torch.cat([halo_left, x_shard, halo_right], dim=dim)
+        ctx.args = (dim, recv_left, recv_right, send_left, send_right, nb, x_shard.shape[dim])  # no tensors
+        return _exchange_forward(x_shard, dim, recv_left, recv_right, send_left, send_right, nb)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_strip):  # type: ignore[override]
-        dim, recv_left, recv_right, send_left, send_right, nb, n = ctx.args
-        grad_halo_left = grad_strip.narrow(dim, 0, recv_left).contiguous()
-        grad_halo_right = grad_strip.narrow(dim, recv_left + n, recv_right).contiguous()
-        grad_prefix = _empty_slices(grad_strip, dim, send_left)
-        grad_suffix = _empty_slices(grad_strip, dim, send_right)
-        _send_recv(grad_halo_left, grad_halo_right, grad_prefix, grad_suffix, nb)
-        grad_x = grad_strip.narrow(dim, recv_left, n).clone()
-        grad_x.narrow(dim, 0, send_left).add_(grad_prefix)
-        grad_x.narrow(dim, n - send_right, send_right).add_(grad_suffix)
-        return grad_x, None, None, None, None, None, None
+        return _exchange_backward(grad_strip, *ctx.args), None, None, None, None, None, None
+
+
+def _exchange_forward(
+    x_shard: torch.Tensor, dim: int, recv_left: int, recv_right: int, send_left: int, send_right: int,
+    nb: _Neighbours,
+) -> torch.Tensor:
+    """The forward exchange on plain tensors (no autograd): ``cat(halo_left, x_shard, halo_right)``."""
+    n = x_shard.shape[dim]
+    to_left = x_shard.narrow(dim, 0, send_left).contiguous()
+    to_right = x_shard.narrow(dim, n - send_right, send_right).contiguous()
+    halo_left = _empty_slices(x_shard, dim, recv_left)
+    halo_right = _empty_slices(x_shard, dim, recv_right)
+    _send_recv(to_left, to_right, halo_left, halo_right, nb)
+    return torch.cat([halo_left, x_shard, halo_right], dim=dim)
+
+
+def _exchange_backward(
+    grad_strip: torch.Tensor, dim: int, recv_left: int, recv_right: int, send_left: int, send_right: int,
+    nb: _Neighbours, n: int,
+) -> torch.Tensor:
+    """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
+    grad_halo_left = grad_strip.narrow(dim, 0, recv_left).contiguous()
+    grad_halo_right = grad_strip.narrow(dim, recv_left + n, recv_right).contiguous()
+    grad_prefix = _empty_slices(grad_strip, dim, send_left)
+    grad_suffix = _empty_slices(grad_strip, dim, send_right)
+    _send_recv(grad_halo_left, grad_halo_right, grad_prefix, grad_suffix, nb)
+    grad_x = grad_strip.narrow(dim, recv_left, n).clone()
+    grad_x.narrow(dim, 0, send_left).add_(grad_prefix)
+    grad_x.narrow(dim, n - send_right, send_right).add_(grad_suffix)
+    return grad_x
 
 
 def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, int], nb: _Neighbours) -> int:

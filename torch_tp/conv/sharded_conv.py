@@ -1,0 +1,444 @@
+"""DTensor handlers for ``aten.convolution`` / ``aten.convolution_backward`` on a spatially sharded input.
+
+The input is a DTensor sharded ``Shard(d)`` on one spatial dim ``d >= 2`` over one mesh dim
+(other mesh dims ``Replicate()`` or ``Shard(0)``: batch), weight and bias replicated. Each rank
+gets from its neighbours on that mesh dim exactly the border slices its outputs read
+(:func:`~torch_tp.conv.conv_windows`), convolves locally with padding 0 on ``d`` and keeps
+its own chunk of the output, which is therefore a true ``Shard(d)`` of the global output. The
+backward recomputes the strip, runs the local ``convolution_backward`` and sends the halo
+gradients back to their owners (the exact adjoint of the exchange). Weight and bias gradients
+come back ``Partial()`` over every mesh dim the input is sharded on (spatial or batch).
+
+Nothing is installed on import: use :func:`install` / :func:`uninstall` or
+:func:`sharded_convolution`, which put these handlers into DTensor's custom op table and
+restore exactly the entries that were there before.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs a process group")
+    >>> from torch_tp.conv import sharded_convolution
+    >>> x = distribute_tensor(image, mesh, [Shard(3)])             # width-sharded NCHW
+    >>> conv = nn.Conv2d(3, 8, 3, padding=1)
+    >>> w, b = (distribute_tensor(p, mesh, [Replicate()]) for p in (conv.weight, conv.bias))
+    >>> with sharded_convolution():
+    ...     y = F.conv2d(x, w, b, padding=1)                         # y.placements == (Shard(3),)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from torch_tp.conv._geometry import ShardWindow, conv_windows
+from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
+
+__all__ = [
+    "convolution_backward_handler",
+    "convolution_handler",
+    "install",
+    "is_installed",
+    "sharded_convolution",
+    "uninstall",
+]
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: what is sharded where, validated
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The spatially sharded dim (if any) and this rank's window on it."""
+
+    mesh: Any
+    placements: tuple
+    spatial_dim: Optional[int]  # tensor dim d >= 2, or None (batch-only / replicated)
+    mesh_dim: Optional[int]
+    window: Optional[ShardWindow]
+    stride: list[int]
+    padding: list[int]  # the op's padding, with 0 on the sharded dim
+    dilation: list[int]
+
+
+def _expand(values: Sequence[int], n: int, name: str) -> list[int]:
+    values = list(values)
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"sharded convolution: {name} has {len(values)} entries for {n} spatial dims")
+    return values
+
+
+def _check_replicated(t: Any, mesh: Any, name: str) -> None:
+    if t is None:
+        return
+    if not isinstance(t, DTensor):
+        raise NotImplementedError(
+            f"sharded convolution needs the {name} as a replicated DTensor on the input's mesh, "
+            f"got a plain {type(t).__name__}"
+        )
+    if t.device_mesh != mesh:
+        raise ValueError(f"sharded convolution: the {name} lives on {t.device_mesh}, the input on {mesh}")
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise NotImplementedError(
+            f"sharded convolution needs a replicated {name} (all Replicate()), got {t.placements}"
+        )
+
+
+def _spatial_shard(x: DTensor) -> tuple[Optional[int], Optional[int]]:
+    """``(tensor dim, mesh dim)`` of the one spatial shard, or ``(None, None)``; raise otherwise."""
+    ndim = x.ndim
+    if ndim not in (3, 4, 5):
+        raise NotImplementedError(
+            f"sharded convolution supports Conv1d/2d/3d inputs (3-5 dims with batch), got {ndim} dims"
+        )
+    found: list[tuple[int, int]] = []
+    for mesh_dim, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            continue
+        if not isinstance(p, Shard) or type(p) is not Shard:
+            raise NotImplementedError(
+                f"sharded convolution supports Replicate(), Shard(0) (batch) and Shard(d) on one spatial "
+                f"dim; mesh dim {mesh_dim} of the input is {p}"
+            )
+        d = p.dim % ndim
+        if d == 1:
+            raise NotImplementedError(
+                f"sharded convolution cannot shard the channel dim (Shard(1) on mesh dim {mesh_dim}); "
+                f"shard the batch (dim 0) or one spatial dim (2..{ndim - 1}) instead"
+            )
+        if d >= 2:
+            found.append((d, mesh_dim))
+    if len(found) > 1:
+        raise NotImplementedError(
+            f"sharded convolution supports the input sharded on one spatial dim over one mesh dim, got "
+            f"{x.placements} ((tensor dim, mesh dim) = {found})"
+        )
+    return found[0] if found else (None, None)
+
+
+def _plan(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
+          transposed: bool, groups: int) -> _Plan:
+    if not isinstance(x, DTensor):
+        raise NotImplementedError(
+            f"sharded convolution needs the input as a DTensor, got a plain {type(x).__name__} "
+            f"(with a DTensor weight)"
+        )
+    if transposed:
+        raise NotImplementedError("sharded convolution does not support transposed convolution")
+    mesh = x.device_mesh
+    _check_replicated(weight, mesh, "weight")
+    _check_replicated(bias, mesh, "bias")
+    d, mesh_dim = _spatial_shard(x)
+    n_spatial = x.ndim - 2
+    stride, padding, dilation = (_expand(v, n_spatial, name) for v, name in
+                                 ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    window = None
+    if d is not None:
+        i = d - 2
+        windows = conv_windows(
+            x.shape[d], mesh.size(mesh_dim), kernel_size=weight.shape[d], stride=stride[i],
+            padding=padding[i], dilation=dilation[i],
+        )
+        window = windows[mesh.get_local_rank(mesh_dim)]
+        padding = list(padding)
+        padding[i] = 0
+    return _Plan(mesh, tuple(x.placements), d, mesh_dim, window, stride, padding, dilation)
+
+
+def _out_size(size: int, k: int, stride: int, pad: int, dilation: int) -> int:
+    return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _wrap(local: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> DTensor:
+    """A DTensor with ``local`` as this rank's shard of a tensor of global ``shape``."""
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The local input: exchanged strip, trimmed, padded
+# --------------------------------------------------------------------------------------------
+
+
+def _exchange_args(plan: _Plan) -> tuple:
+    w = plan.window
+    nb = _resolve_neighbours(None, plan.mesh, plan.mesh_dim)
+    return (plan.spatial_dim, w.recv_left, w.recv_right, w.send_left, w.send_right, nb)
+
+
+def _local_input(x_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """``pad(strip[trim_left : strip_size - trim_right], (pad_left, pad_right))`` along d."""
+    w, d = plan.window, plan.spatial_dim
+    strip = _exchange_forward(x_local, *_exchange_args(plan))
+    kept = strip.narrow(d, w.trim_left, w.strip_size - w.trim_left - w.trim_right)
+    return _pad_dim(kept, d, w.pad_left, w.pad_right)
+
+
+def _pad_dim(t: torch.Tensor, d: int, left: int, right: int) -> torch.Tensor:
+    if left == 0 and right == 0:
+        return t
+    pads = [0, 0] * (t.ndim - 1 - d) + [left, right]
+    return F.pad(t, pads)
+
+
+def _local_shape(x_local: torch.Tensor, plan: _Plan) -> list[int]:
+    shape = list(x_local.shape)
+    if plan.spatial_dim is not None:
+        shape[plan.spatial_dim] = plan.window.local_size
+    return shape
+
+
+def _global_out_shape(x: DTensor, weight: DTensor, plan_args: tuple) -> list[int]:
+    stride, padding, dilation = plan_args
+    spatial = [
+        _out_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
+        for i in range(x.ndim - 2)
+    ]
+    return [x.shape[0], weight.shape[0], *spatial]
+
+
+# --------------------------------------------------------------------------------------------
+# Handlers
+# --------------------------------------------------------------------------------------------
+
+
+def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
+    """DTensor handler for ``aten.convolution.default`` with a spatially sharded input.
+
+    ``args`` = ``(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+    groups)``. Returns a DTensor with the input's placements and the exact global output shape.
+
+    Raises:
+        NotImplementedError: transposed convolution, the input sharded on channels or on more
+            than one spatial dim (or ``Partial``), weight or bias not replicated.
+        ValueError: what :func:`conv_windows` refuses (e.g. a halo wider than a neighbour's shard).
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group; install() routes F.conv* on DTensors here")
+        >>> x = distribute_tensor(torch.randn(2, 3, 8, 30), mesh, [Shard(3)])   # width on 4 ranks
+        >>> w = distribute_tensor(torch.randn(5, 3, 3, 3), mesh, [Replicate()])
+        >>> y = convolution_handler(aten.convolution.default,
+        ...                         (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {})
+        >>> y.placements, y.shape, y.to_local().shape                            # rank 3 of 4
+        ((Shard(dim=3),), torch.Size([2, 5, 8, 30]), torch.Size([2, 5, 8, 6]))
+    """
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(
+        args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
+                       "output_padding", "groups"))
+    plan = _plan(x, weight, bias, stride, padding, dilation, transposed, groups)
+    n_spatial = x.ndim - 2
+    op_padding = _expand(padding, n_spatial, "padding")
+    out_shape = _global_out_shape(x, weight, (plan.stride, op_padding, plan.dilation))
+    x_local = x.to_local()
+    w_local = weight.to_local()
+    b_local = bias.to_local() if bias is not None else None
+    if plan.spatial_dim is None:
+        local_in = x_local
+    else:
+        local_in = _local_input(x_local, plan)  # every rank exchanges, outputs or not
+    if plan.window is not None and plan.window.out_size == 0:
+        local_out_shape = [x_local.shape[0], weight.shape[0]] + [
+            _out_size(local_in.shape[2 + i], weight.shape[2 + i], plan.stride[i], plan.padding[i],
+                      plan.dilation[i]) for i in range(n_spatial)
+        ]
+        local_out_shape[plan.spatial_dim] = 0
+        out = x_local.new_zeros(local_out_shape)
+    else:
+        out = aten.convolution.default(
+            local_in, w_local, b_local, plan.stride, plan.padding, plan.dilation, False,
+            list(output_padding), groups,
+        )
+    return _wrap(out, plan.mesh, plan.placements, out_shape)
+
+
+def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
+    """DTensor handler for ``aten.convolution_backward.default`` (the adjoint of the forward).
+
+    ``args`` = ``(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    output_padding, groups, output_mask)``. Returns ``(grad_input, grad_weight, grad_bias)``:
+    ``grad_input`` with the input's placements, the other two ``Partial()`` over every mesh dim
+    the input is sharded on; ``None`` where ``output_mask`` says so.
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group; autograd calls it for a DTensor convolution")
+        >>> gi, gw, gb = convolution_backward_handler(
+        ...     aten.convolution_backward.default,
+        ...     (grad_y, x, w, [5], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]), {})
+        >>> gi.placements, gw.placements, gb.placements
+        ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
+    """
+    (grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+     output_mask) = _bind(args, kwargs, ("grad_output", "input", "weight", "bias_sizes", "stride",
+                                         "padding", "dilation", "transposed", "output_padding",
+                                         "groups", "output_mask"))
+    plan = _plan(x, weight, None, stride, padding, dilation, transposed, groups)
+    if not isinstance(grad_out, DTensor):
+        raise NotImplementedError("sharded convolution backward needs grad_output as a DTensor")
+    if tuple(grad_out.placements) != plan.placements or grad_out.device_mesh != plan.mesh:
+        grad_out = grad_out.redistribute(plan.mesh, plan.placements)
+    mask = list(output_mask)
+    x_local, w_local, go_local = x.to_local(), weight.to_local(), grad_out.to_local()
+    w = plan.window
+    if plan.spatial_dim is None:
+        local_in = x_local
+    elif mask[1]:
+        local_in = _local_input(x_local, plan)  # grad_weight needs the data: exchange again
+    else:
+        local_in = x_local.new_zeros(_local_shape(x_local, plan))  # only its shape is read
+    if w is not None and w.out_size == 0:
+        gi = local_in.new_zeros(local_in.shape) if mask[0] else None
+        gw = torch.zeros_like(w_local) if mask[1] else None
+        gb = w_local.new_zeros(weight.shape[0]) if mask[2] else None
+    else:
+        gi, gw, gb = aten.convolution_backward.default(
+            go_local, local_in, w_local, bias_sizes, plan.stride, plan.padding, plan.dilation, False,
+            list(output_padding), groups, mask,
+        )
+    grad_input = None
+    if mask[0]:
+        if plan.spatial_dim is not None:
+            gi = _strip_grad_to_shard(gi, plan, x_local.shape[plan.spatial_dim])
+        grad_input = _wrap(gi, plan.mesh, plan.placements, x.shape)
+    reduced = [Partial() if isinstance(p, Shard) else Replicate() for p in plan.placements]
+    grad_weight = _wrap(gw, plan.mesh, reduced, weight.shape) if mask[1] else None
+    grad_bias = _wrap(gb, plan.mesh, reduced, gb.shape) if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _strip_grad_to_shard(g_local: torch.Tensor, plan: _Plan, n: int) -> torch.Tensor:
+    """Undo pad and trim (zero-filling trimmed slices), then the adjoint halo exchange."""
+    w, d = plan.window, plan.spatial_dim
+    kept = g_local.narrow(d, w.pad_left, w.local_size - w.pad_left - w.pad_right)
+    if w.trim_left or w.trim_right:
+        shape = list(g_local.shape)
+        shape[d] = w.strip_size
+        strip = g_local.new_zeros(shape)
+        strip.narrow(d, w.trim_left, kept.shape[d]).copy_(kept)
+    else:
+        strip = kept
+    return _exchange_backward(strip, *_exchange_args(plan), n)
+
+
+def _bind(args: tuple, kwargs: dict, names: tuple) -> list:
+    values = list(args) + [None] * (len(names) - len(args))
+    for i, name in enumerate(names):
+        if name in (kwargs or {}):
+            values[i] = kwargs[name]
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# Installation
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+_HANDLERS = {
+    aten.convolution.default: convolution_handler,
+    aten.convolution_backward.default: convolution_backward_handler,
+}
+_SAVED: list[dict] = []  # one entry per install(): the table entries it replaced
+
+
+def _table() -> dict:
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def install() -> None:
+    """Put the sharded convolution handlers into DTensor's custom op handler table.
+
+    Nests: each :func:`install` remembers the entries it replaced, and the matching
+    :func:`uninstall` puts exactly those back.
+
+    Example:
+        >>> from torch_tp.conv import install, is_installed, uninstall
+        >>> install()
+        >>> is_installed()
+        True
+        >>> uninstall()
+        >>> is_installed()
+        False
+    """
+    table = _table()
+    _SAVED.append({op: table.get(op, _MISSING) for op in _HANDLERS})
+    table.update(_HANDLERS)
+
+
+def uninstall() -> None:
+    """Restore the entries the latest :func:`install` replaced (the identical objects).
+
+    Raises:
+        RuntimeError: no :func:`install` is outstanding.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributed.tensor import DTensor
+        >>> from torch_tp.conv import install, uninstall
+        >>> table = DTensor._op_dispatcher._custom_op_handlers
+        >>> before = table[torch.ops.aten.convolution.default]    # torch's own handler
+        >>> install(); uninstall()
+        >>> table[torch.ops.aten.convolution.default] is before
+        True
+    """
+    if not _SAVED:
+        raise RuntimeError("torch_tp.conv.uninstall() without a matching install()")
+    table = _table()
+    for op, previous in _SAVED.pop().items():
+        if previous is _MISSING:
+            table.pop(op, None)
+        else:
+            table[op] = previous
+
+
+def is_installed() -> bool:
+    """Whether DTensor's table currently maps both convolution ops to these handlers.
+
+    Example:
+        >>> from torch_tp.conv import is_installed, sharded_convolution
+        >>> with sharded_convolution():
+        ...     print(is_installed())
+        True
+        >>> is_installed()
+        False
+    """
+    table = _table()
+    return all(table.get(op) is handler for op, handler in _HANDLERS.items())
+
+
+@contextlib.contextmanager
+def sharded_convolution() -> Iterator[None]:
+    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
+
+    Example:
+        >>> from torch_tp.conv import is_installed, sharded_convolution
+        >>> try:
+        ...     with sharded_convolution():
+        ...         raise KeyError("boom")
+        ... except KeyError:
+        ...     pass
+        >>> is_installed()
+        False
+    """
+    install()
+    try:
+        yield
+    finally:
+        uninstall()
