@@ -22,12 +22,14 @@ from torch_tp.parallel.functional import (
     replicate,
     rowwise,
     sequence_parallel,
+    spatial,
 )
 
 __all__ = [
     "colwise",
     "rowwise",
     "sequence_parallel",
+    "spatial",
     "prepare_input",
     "prepare_output",
     "prepare_input_output",

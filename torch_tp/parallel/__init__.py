@@ -13,6 +13,7 @@ from torch_tp.parallel.style import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    SpatialParallel,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
+    "SpatialParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",

@@ -18,14 +18,17 @@ plan matched).
 
 from __future__ import annotations
 
+import types
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from torch_tp import conv
 from torch_tp.parallel import _checks
 from torch_tp.parallel.rules import (
     BOTH_STAGES,
@@ -34,9 +37,13 @@ from torch_tp.parallel.rules import (
     check_prepare_output,
     check_rowwise,
     check_sequence_parallel,
+    check_spatial,
     colwise_placements,
     rowwise_placements,
     sequence_parallel_placements,
+    spatial_placements,
+    SPATIAL_BATCHNORMS,
+    SPATIAL_CONVS,
 )
 from torch_tp.parallel._layouts import (
     finish_output,
@@ -50,6 +57,7 @@ __all__ = [
     "colwise",
     "rowwise",
     "sequence_parallel",
+    "spatial",
     "prepare_input",
     "prepare_output",
     "prepare_input_output",
@@ -227,6 +235,147 @@ def sequence_parallel(
     module.register_forward_pre_hook(partial(_sequence_input, layout, device_mesh, module_path))
     module.register_forward_hook(partial(_local_output, use_local_output))
     _checks.mark_prepared(module, _BOTH, "SequenceParallel")
+    return module
+
+
+# ------------------------------------------------------------------- spatial
+
+
+def _spatial_dim(dim: int, ndim: int, module, module_path) -> int:
+    if not -ndim <= dim < ndim or dim % ndim < 2:
+        raise ValueError(
+            f"SpatialParallel(dim={dim}) on {_checks.describe(module, module_path)}: the input has "
+            f"{ndim} dims (N, C, ...), so dim must be a spatial dim, one of {list(range(2, ndim))}"
+        )
+    return dim % ndim
+
+
+def _global_size(local: torch.Tensor, d: int, device_mesh, module, module_path) -> int:
+    """Global size of dim ``d`` from every rank's local size; they must be ``torch.chunk`` pieces."""
+    n = device_mesh.size()
+    if n == 1:
+        return local.shape[d]
+    mine = torch.tensor([local.shape[d]], dtype=torch.int64, device=local.device)
+    sizes = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(sizes, mine, group=device_mesh.get_group(0))
+    sizes = [int(s.item()) for s in sizes]
+    total = sum(sizes)
+    chunk = -(-total // n)
+    expected = [max(0, min(chunk, total - i * chunk)) for i in range(n)]
+    if sizes != expected:
+        raise ValueError(
+            f"SpatialParallel on {_checks.describe(module, module_path)}: the ranks' inputs have "
+            f"sizes {sizes} along dim {d} (global {total}), but Shard({d}) over {n} ranks means "
+            f"torch.chunk pieces {expected}; split the input with torch.chunk (or pass the full "
+            f"input with input_layouts=Replicate())"
+        )
+    return total
+
+
+def _spatial_input(device_mesh, input_layout, dim, module_path, module, args):
+    if not args:
+        raise TypeError(f"SpatialParallel on {_checks.describe(module, module_path)} got no input")
+    x = _checks.require_tensor_input(
+        args[0], "0", module, module_path, "SpatialParallel", _TENSOR_INPUT_FIX
+    )
+    if isinstance(module, SPATIAL_CONVS) and not conv.is_installed():
+        raise RuntimeError(
+            f"SpatialParallel on {_checks.describe(module, module_path)}: the sharded convolution "
+            f"handlers were uninstalled (torch_tp.conv.uninstall()); without them DTensor would "
+            f"mislabel a padded convolution's output. Call torch_tp.conv.install()"
+        )
+    if isinstance(module, SPATIAL_CONVS) and x.ndim != module.weight.ndim:
+        raise ValueError(
+            f"SpatialParallel on {_checks.describe(module, module_path)} needs a batched "
+            f"{module.weight.ndim}-D (N, C, ...) input, got {x.ndim} dims {tuple(x.shape)}"
+        )
+    desired = Shard(_spatial_dim(dim, x.ndim, module, module_path))
+    if isinstance(x, DTensor):
+        if tuple(x.placements) == (desired,):
+            return None
+        return (redistribute_to(x, desired), *args[1:])
+    layout = input_layout or desired
+    if type(layout) is Shard:
+        layout = Shard(layout.dim % x.ndim)
+        size = _global_size(x, layout.dim, device_mesh, module, module_path)
+        x = to_dtensor(x, device_mesh, layout, sharded_dim_size=size)
+    else:
+        x = to_dtensor(x, device_mesh, layout)
+    return (redistribute_to(x, desired), *args[1:])
+
+
+def _batch_norm_eval_forward(self, x):
+    # Eval-mode BatchNorm is a per-channel affine map: run it as pointwise DTensor ops so the
+    # input stays sharded (DTensor's batch_norm rule would all-gather it) and the
+    # replicated weight/bias get Partial gradients that DTensor sums over the ranks.
+    if self.training:
+        raise RuntimeError(
+            f"SpatialParallel: {type(self).__name__} was switched to training mode after it was "
+            f"parallelized; its batch statistics would be computed per shard. Keep it in eval mode"
+        )
+    shape = [1, -1] + [1] * (x.ndim - 2)
+    mesh = x.device_mesh
+    inv_std = torch.rsqrt(self.running_var.to(x.dtype) + self.eps)
+    shift = -self.running_mean.to(x.dtype) * inv_std
+
+    def replicated(t):
+        return DTensor.from_local(t.reshape(shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    y = x * replicated(inv_std) + replicated(shift)
+    if self.weight is not None:
+        y = y * self.weight.reshape(shape)
+    if self.bias is not None:
+        y = y + self.bias.reshape(shape)
+    return y
+
+
+def spatial(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    dim: int,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = False,
+    src_data_rank: int | None = 0,
+    module_path: str | None = None,
+) -> nn.Module:
+    """Run a convolution (or a position-wise module between convolutions) on a spatial shard.
+
+    ``dim`` is the tensor dim of the (N, C, ...) input that is sharded, e.g. ``3`` or ``-1``
+    for the width of NCHW. Parameters are replicated (broadcast from ``src_data_rank``);
+    a plain-tensor input is taken as this rank's slice along ``dim`` (default
+    ``input_layouts=Shard(dim)``; the global size is gathered, so uneven ``torch.chunk``
+    pieces work) or as the full input (``input_layouts=Replicate()``: each rank keeps its
+    slice). The output stays ``Shard(dim)`` (or is redistributed to ``output_layouts``)
+    and is returned as a DTensor unless ``use_local_output``. The gradients of the
+    replicated parameters come back summed over the ranks.
+
+    Applying it to a convolution installs :mod:`torch_tp.conv`'s halo-exchange handlers
+    (:func:`torch_tp.conv.install`, once; they stay installed), which compute each rank's
+    exact part of the output. An eval-mode BatchNorm runs as a per-channel affine map on the
+    shard; switching it back to training mode makes its forward raise.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> spatial(model.stem, mesh, dim=3)                  # width of NCHW
+        >>> model.stem(torch.chunk(image, mesh.size(), dim=3)[rank]).placements
+        (Shard(dim=3),)
+    """
+    check_spatial(module, device_mesh, module_path, dim=dim)
+    _distribute_parameters(module, spatial_placements(module), device_mesh, src_data_rank)
+    if isinstance(module, SPATIAL_CONVS) and not conv.is_installed():
+        conv.install()
+    if isinstance(module, SPATIAL_BATCHNORMS):
+        module.forward = types.MethodType(_batch_norm_eval_forward, module)
+    module.register_forward_pre_hook(
+        partial(_spatial_input, device_mesh, input_layouts, dim, module_path)
+    )
+    module.register_forward_hook(
+        partial(_redistribute_output, output_layouts or Shard(dim), use_local_output)
+    )
+    _checks.mark_prepared(module, _BOTH, "SpatialParallel")
     return module
 
 

@@ -21,9 +21,11 @@ __all__ = [
     "check_sequence_parallel",
     "check_prepare_input",
     "check_prepare_output",
+    "check_spatial",
     "colwise_placements",
     "rowwise_placements",
     "sequence_parallel_placements",
+    "spatial_placements",
 ]
 
 BOTH_STAGES = ("input", "output")
@@ -130,6 +132,83 @@ def check_prepare_output(module: nn.Module, device_mesh: DeviceMesh, module_path
     _checks.require_unprepared(module, ("output",), "PrepareModuleOutput", module_path)
 
 
+# What SpatialParallel runs on a spatial shard: convolutions (halo exchange) and modules
+# that compute each position on its own. Pooling is refused: its windows cross shard
+# borders and there is no halo exchange for it.
+SPATIAL_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+SPATIAL_POINTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Dropout,
+)
+SPATIAL_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def check_spatial(
+    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, dim: int = -1
+) -> None:
+    """Raise if :func:`spatial` cannot run ``module`` on an input sharded along tensor dim ``dim``.
+
+    Accepted: ``nn.Conv1d/2d/3d`` with ``padding_mode="zeros"`` (sharded along one of their
+    spatial dims), eval-mode ``nn.BatchNorm1d/2d/3d`` with running statistics, and
+    position-wise modules (``nn.ReLU``, ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with
+    ``p=0`` or in eval mode, ...). Refused: training-mode BatchNorm (its batch statistics
+    would be per shard), pooling and everything else.
+
+    Example::
+
+        >>> check_spatial(nn.Conv2d(3, 8, 3, padding=1), 4, "stem", dim=3)
+        >>> try:
+        ...     check_spatial(nn.MaxPool2d(2), 4, "pool", dim=3)
+        ... except TypeError as err:
+        ...     print(type(err).__name__, str(err)[:50])
+        UnsupportedModuleError SpatialParallel cannot run 'pool' (MaxPool2d) on a
+    """
+    style = "SpatialParallel"
+    _checks.require_1d_mesh(device_mesh, style)
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{style}(dim=...) takes an int (a tensor dim such as 3 or -1), got {dim!r}")
+    where = _checks.describe(module, module_path)
+    if isinstance(module, SPATIAL_CONVS):
+        ndim = module.weight.ndim  # = the batched input's ndim
+        if not -ndim <= dim < ndim or dim % ndim < 2:
+            raise ValueError(
+                f"{style}(dim={dim}) on {where}: dim must be a spatial dim of its {ndim}-D "
+                f"(N, C, ...) input, i.e. one of {list(range(2, ndim))} or "
+                f"{list(range(2 - ndim, 0))}"
+            )
+        if module.padding_mode != "zeros":
+            raise _checks.UnsupportedModuleError(
+                f"{style} cannot run {where} on a spatial shard: padding_mode="
+                f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
+            )
+    elif isinstance(module, SPATIAL_BATCHNORMS):
+        if module.training or not module.track_running_stats or module.running_mean is None:
+            raise _checks.UnsupportedModuleError(
+                f"{style} cannot run {where} in training mode (or without running "
+                f"statistics): its batch statistics would be computed per shard. Call "
+                f".eval() on it before parallelizing (it then normalizes with running stats)"
+            )
+    elif isinstance(module, SPATIAL_POINTWISE):
+        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+            raise _checks.UnsupportedModuleError(
+                f"{style} cannot run {where} with p={module.p} in training mode: its mask "
+                f"would differ from the unsharded model's. Use p=0 or .eval()"
+            )
+    else:
+        names = ", ".join(
+            f"nn.{t.__name__}" for t in SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE
+        )
+        raise _checks.UnsupportedModuleError(
+            f"{style} cannot run {where} on a spatial shard: it handles {names} "
+            f"(BatchNorm in eval mode). Pooling windows cross shard borders; gather "
+            f"the input first (e.g. output_layouts=Replicate() on the module before)"
+        )
+    if isinstance(dim, int) and not isinstance(module, SPATIAL_CONVS) and 0 <= dim < 2:
+        raise ValueError(f"{style}(dim={dim}) on {where}: dims 0 and 1 are batch and channels")
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(f"{style}: {where}.{name} is already a DTensor")
+    _checks.require_unprepared(module, BOTH_STAGES, style, module_path)
+
 
 # ---------------------------------------------------------------------- placements
 
@@ -179,6 +258,17 @@ def sequence_parallel_placements(module: nn.Module) -> dict[str, Placement]:
     Example::
 
         >>> sequence_parallel_placements(nn.LayerNorm(8))
+        {'weight': Replicate(), 'bias': Replicate()}
+    """
+    return {name: Replicate() for name, _ in module.named_parameters()}
+
+
+def spatial_placements(module: nn.Module) -> dict[str, Placement]:
+    """Where :func:`spatial` puts each parameter: replicated, all of them.
+
+    Example::
+
+        >>> spatial_placements(nn.Conv2d(3, 8, 3))
         {'weight': Replicate(), 'bias': Replicate()}
     """
     return {name: Replicate() for name, _ in module.named_parameters()}

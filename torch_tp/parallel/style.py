@@ -28,6 +28,7 @@ __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
+    "SpatialParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
@@ -247,6 +248,81 @@ class SequenceParallel(ParallelStyle):
             module,
             device_mesh,
             sequence_dim=self.sequence_dim,
+            use_local_output=self.use_local_output,
+            src_data_rank=src_data_rank,
+            module_path=module_path,
+        )
+
+
+class SpatialParallel(ParallelStyle):
+    """Run a convolution on an input sharded along a spatial dim (halo exchange), weights replicated.
+
+    Handles ``nn.Conv1d/2d/3d`` and the position-wise modules between them: eval-mode
+    ``nn.BatchNorm1d/2d/3d``, ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and
+    ``nn.Dropout`` with ``p=0`` or in eval mode. Training-mode BatchNorm (per-shard batch
+    statistics) and pooling (windows crossing shard borders) are refused with
+    :class:`~torch_tp.parallel._checks.UnsupportedModuleError` naming the module path.
+
+    Keyword Args:
+        dim (int): the sharded tensor dim of the (N, C, ...) input, e.g. ``3`` or ``-1``
+            for the width of NCHW. Required.
+        input_layouts (Placement, optional): layout of a plain-tensor input. Default
+            ``Shard(dim)``: this rank's ``torch.chunk`` slice (uneven slices are fine);
+            ``Replicate()``: the full input, of which each rank keeps its slice.
+        output_layouts (Placement, optional): layout of the output. Default ``Shard(dim)``.
+        use_local_output (bool): return the local shard instead of a DTensor. Default ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> parallelize_module(cnn, mesh, {"*": SpatialParallel(dim=3)})   # every layer
+        >>> cnn(my_width_slice).placements
+        (Shard(dim=3),)
+
+    .. note:: Applying it to a convolution installs the halo-exchange convolution handlers
+        of :mod:`torch_tp.conv` (:func:`torch_tp.conv.install`, once) and leaves them
+        installed; importing torch_tp alone changes no DTensor behaviour.
+    """
+
+    _fields = ("dim", "input_layouts", "output_layouts", "use_local_output")
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"SpatialParallel(dim=...) takes an int (e.g. 3 or -1), got {dim!r}")
+        if 0 <= dim < 2:
+            raise ValueError(
+                f"SpatialParallel(dim={dim}): dims 0 and 1 of an (N, C, ...) input are batch and "
+                f"channels; pass a spatial dim such as 2, 3 or -1"
+            )
+        self.dim = dim
+        self.input_layouts = _single_layout(input_layouts, "input_layouts", "SpatialParallel") or Shard(dim)
+        self.output_layouts = _single_layout(output_layouts, "output_layouts", "SpatialParallel") or Shard(dim)
+        self.use_local_output = use_local_output
+
+    def param_placements(self, module):
+        return rules.spatial_placements(module)
+
+    def check(self, module, device_mesh, module_path=None):
+        rules.check_spatial(module, device_mesh, module_path, dim=self.dim)
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        return functional.spatial(
+            module,
+            device_mesh,
+            dim=self.dim,
+            input_layouts=self.input_layouts,
+            output_layouts=self.output_layouts,
             use_local_output=self.use_local_output,
             src_data_rank=src_data_rank,
             module_path=module_path,

@@ -1,0 +1,257 @@
+"""SpatialParallel on real gloo ranks: a small CNN sharded on width trains like the unsharded one.
+
+The loss is computed on the gathered output (``full_tensor()``), so every rank computes the
+same loss as the single-process model and backpropagates through the gather.
+
+Applying the style installs the sharded convolution handlers in the worker; every rank task
+here restores the worker's previous state when it ends (see ``_restoring_handlers``), so other
+tests sharing the worker pool see DTensor as they left it.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import torch_tp.conv as tp_conv
+from torch_tp import SpatialParallel, parallelize_module
+from torch_tp.functional import spatial
+from torch_tp.parallel._checks import UnsupportedModuleError
+from torch_tp.testing import (
+    assert_params_and_grads_match,
+    local_chunk,
+    run_on_ranks,
+    tp_mesh,
+    world_sizes,
+)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+WIDTH_PLAN = {"*": SpatialParallel(dim=3)}
+
+
+def _restoring_handlers(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was_installed = tp_conv.is_installed()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if tp_conv.is_installed() and not was_installed:
+                tp_conv.uninstall()
+
+    return wrapper
+
+
+def _cnn():
+    bn = nn.BatchNorm2d(8)
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        bn.eval(),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 5, padding=2),
+    )
+
+
+# ------------------------------------------------------------------ training
+
+
+@_restoring_handlers
+def _train_task(steps):
+    torch.manual_seed(0)
+    reference = _cnn()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), WIDTH_PLAN)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.placements == (Replicate(),), name
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    image = torch.randn(2, 3, 8, 30)  # same on every rank (seeded); width 30 is uneven on 4
+    target = torch.randn(2, 4, 4, 15)
+    for step in range(steps):
+        out = model(local_chunk(image, 3))
+        assert isinstance(out, DTensor) and out.placements == (Shard(3),)
+        assert out.to_local().shape == local_chunk(target, 3).shape
+        expected = reference(image)
+        torch.testing.assert_close(out.full_tensor(), expected, **TOL)
+        loss = nn.functional.mse_loss(out.full_tensor(), target)
+        ref_loss = nn.functional.mse_loss(expected, target)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        loss.backward()
+        ref_loss.backward()
+        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=lambda m: f"{name}: {m}")
+    return losses
+
+
+@world_sizes(2, 4)
+def test_small_cnn_trains_3_sgd_steps_like_single_process(world_size):
+    losses = run_on_ranks(_train_task, world_size, 3)
+    assert all(rank_losses == losses[0] for rank_losses in losses)
+    assert len(losses[0]) == 3 and losses[0][2] < losses[0][0]
+
+
+# ------------------------------------------------------------------ style arguments
+
+
+@_restoring_handlers
+def _arguments_task():
+    reference = _cnn()
+    image = torch.randn(2, 3, 8, 30)
+    expected = reference(image).detach()
+    out_chunk = functools.partial(local_chunk, expected, 3)
+
+    # input_layouts=Replicate(): every rank passes the full image and keeps its slice
+    model = parallelize_module(
+        copy.deepcopy(reference), tp_mesh(),
+        {"0": SpatialParallel(dim=3, input_layouts=Replicate()), "[1-5]": SpatialParallel(dim=-1)},
+    )
+    out = model(image)
+    assert out.placements == (Shard(3),)
+    torch.testing.assert_close(out.to_local(), out_chunk(), **TOL)
+
+    # output_layouts=Replicate(): the last layer gathers the output; dim=-1 is dim 3
+    model = parallelize_module(
+        copy.deepcopy(reference), tp_mesh(),
+        {"[0-4]": SpatialParallel(dim=-1), "5": SpatialParallel(dim=3, output_layouts=Replicate())},
+    )
+    out = model(local_chunk(image, 3))
+    assert out.placements == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), expected, **TOL)
+
+    # use_local_output=True on every layer: plain local slices travel between the layers
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), {"*": SpatialParallel(dim=3, use_local_output=True)})
+    out = model(local_chunk(image, 3))
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, out_chunk(), **TOL)
+
+    # the function form, on a Conv1d sharded on its length
+    conv1d = nn.Conv1d(2, 3, 4, padding=3, dilation=2)
+    signal = torch.randn(1, 2, 21)
+    sharded = spatial(copy.deepcopy(conv1d), tp_mesh(), dim=2)
+    torch.testing.assert_close(sharded(local_chunk(signal, 2)).full_tensor(), conv1d(signal), **TOL)
+
+    # a Conv3d + BatchNorm3d sharded on depth (dim 2)
+    model = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3).eval(), nn.Conv3d(3, 2, 2))
+    volume = torch.randn(1, 2, 10, 4, 5, requires_grad=True)
+    expected = model(volume)
+    sharded = parallelize_module(copy.deepcopy(model), tp_mesh(), {"*": SpatialParallel(dim=2)})
+    x = local_chunk(volume.detach(), 2).requires_grad_()
+    out = sharded(x)
+    torch.testing.assert_close(out.full_tensor(), expected, **TOL)
+    out.full_tensor().square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x.grad, local_chunk(volume.grad, 2), **TOL)
+    assert_params_and_grads_match(sharded, model, **TOL)
+    return tp_conv.is_installed()
+
+
+@world_sizes(2, 4)
+def test_style_arguments(world_size):
+    assert all(run_on_ranks(_arguments_task, world_size))
+
+
+# ------------------------------------------------------------------ installation
+
+
+@_restoring_handlers
+def _install_task():
+    before = tp_conv.is_installed()
+    table = DTensor._op_dispatcher._custom_op_handlers
+    depth = len(tp_conv.sharded_conv._SAVED)
+    parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
+    parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)  # applied again: installed once, not stacked
+    after = tp_conv.is_installed()
+    stacked = len(tp_conv.sharded_conv._SAVED) - depth
+    handler = table[torch.ops.aten.convolution.default]
+    return before, after, stacked, handler is tp_conv.convolution_handler
+
+
+def test_applying_the_style_installs_the_handlers_once():
+    assert run_on_ranks(_install_task, 2)[0] == (False, True, 1, True)
+
+
+def test_import_alone_installs_nothing():
+    assert not tp_conv.is_installed()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@_restoring_handlers
+def _refusal_task():
+    messages = {}
+    for name, layer in {
+        "head": nn.Linear(4, 4),
+        "norm": nn.BatchNorm2d(8),  # training mode
+        "pool": nn.MaxPool2d(2),
+        "drop": nn.Dropout(0.5),
+        "wrap": nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular"),
+    }.items():
+        model = nn.Sequential()
+        model.add_module(name, layer)
+        untouched = copy.deepcopy(model)
+        with pytest.raises(UnsupportedModuleError) as err:
+            parallelize_module(model, tp_mesh(), {name: SpatialParallel(dim=3)})
+        assert f"'{name}'" in str(err.value), str(err.value)
+        for (_, p), (_, q) in zip(model.named_parameters(), untouched.named_parameters()):
+            assert not isinstance(p, DTensor) and torch.equal(p, q)
+        messages[name] = str(err.value)
+    with pytest.raises(ValueError, match="spatial dim"):
+        parallelize_module(nn.Conv1d(2, 2, 3), tp_mesh(), {"": SpatialParallel(dim=3)})
+
+    # an unbatched input would put dim=-1 on the wrong spatial dim
+    conv = parallelize_module(nn.Conv2d(3, 3, 3), tp_mesh(), {"": SpatialParallel(dim=-1)})
+    with pytest.raises(ValueError, match="batched 4-D"):
+        conv(torch.randn(3, 8, 8))
+
+    # a BatchNorm switched back to training after parallelizing refuses to run
+    model = parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
+    model.train()
+    with pytest.raises(RuntimeError, match="training mode"):
+        model(torch.randn(2, 3, 8, 8))
+    return messages
+
+
+def test_unsupported_modules_are_refused_naming_the_path():
+    messages = run_on_ranks(_refusal_task, 2)[0]
+    assert "batch statistics" in messages["norm"]
+    assert "nn.Conv2d" in messages["head"]
+
+
+def test_style_is_immutable_hashable_and_validates_its_arguments():
+    style = SpatialParallel(dim=-1)
+    assert repr(style) == (
+        "SpatialParallel(dim=-1, input_layouts=Shard(dim=-1), output_layouts=Shard(dim=-1), "
+        "use_local_output=False)"
+    )
+    assert style == SpatialParallel(dim=-1, input_layouts=Shard(-1))
+    assert style != SpatialParallel(dim=3) and hash(style) == hash(SpatialParallel(dim=-1))
+    assert SpatialParallel(dim=3, output_layouts=Replicate()).output_layouts == Replicate()
+    before = repr(style)
+    check = style.check
+    check(nn.Conv2d(1, 1, 3), 4, "c")
+    assert repr(style) == before
+    with pytest.raises(TypeError):
+        SpatialParallel()
+    with pytest.raises(TypeError, match="takes an int"):
+        SpatialParallel(dim="width")
+    with pytest.raises(ValueError, match="batch and channels"):
+        SpatialParallel(dim=1)
+    with pytest.raises(TypeError, match="one Placement"):
+        SpatialParallel(dim=3, input_layouts=(Shard(3),))
