@@ -1,0 +1,389 @@
+"""Halo exchange vs all-gather for a Conv2d whose input is sharded on width.
+
+Command (spawns gloo CPU ranks, world size 2 then 4, and prints one table)::
+
+    python3 benchmarks/halo_conv.py                  # 6 conv shapes, 20 timed rounds (~1-2 min)
+    python3 benchmarks/halo_conv.py --quick          # 3 conv shapes, smaller image, 6 rounds (~30 s)
+    python3 benchmarks/halo_conv.py --iters 50       # more timed rounds
+    python3 benchmarks/halo_conv.py --world-sizes 2  # one world size
+
+Under ``torchrun --nproc-per-node N benchmarks/halo_conv.py`` the launcher's ranks are used
+once (world size N).
+
+Every row is one ``Conv2d`` (``C -> C`` channels, bias) on an ``(N, C, H, W)`` image sharded
+``Shard(3)`` (width) over a 1-D mesh, run two ways:
+
+``halo``
+    the DTensor convolution with torch_tp's handlers (``torch_tp.conv.sharded_convolution()``):
+    each rank receives from its neighbours the border columns its outputs read, convolves
+    locally and keeps its own output chunk; the backward re-exchanges the input (the weight
+    gradient needs the strip) and sends the halo gradients back to their owners.
+``all-gather``
+    redistribute the input to ``Replicate()`` (an all-gather), convolve the whole image on
+    every rank, keep this rank's output chunk; the backward is the matching reduce-scatter of
+    the input gradient.
+
+In both, the weight and bias gradients stay per-rank partial sums (neither variant
+all-reduces them), so the two do equal work apart from how the input travels. Before
+anything is timed, both variants' output chunk and input-gradient shard are checked against
+the single-process convolution.
+
+Columns:
+
+``world``           number of ranks.
+``conv``            ``k`` kernel, ``s`` stride, ``d`` dilation, ``p`` padding (on both dims).
+``W out``           global output width.
+``halo fwd KiB``    bytes each rank sends in the forward halo exchange, rank 0 / rank 1 / ...:
+                    ``halo_bytes(conv_windows(...), direction="forward")``.
+``measured fwd``    the same, measured: the bytes of the tensors handed to the send ops of
+                    ``torch.distributed.batch_isend_irecv`` (wrapped inside every rank)
+                    during one forward.
+``halo f+b KiB``    forward + backward: ``2 * forward + backward`` from ``halo_bytes`` (the
+                    backward exchanges the input again for the weight gradient, then sends
+                    the halo gradients: ``direction="backward"``).
+``measured f+b``    the same, measured over one forward plus its backward.
+``AG f+b KiB``      what the all-gather path moves per rank: ``(world-1)/world`` of the input
+                    bytes in the forward (all-gather) and again in the backward
+                    (reduce-scatter of the input gradient).
+``AG/halo``         ``AG f+b KiB`` divided by the largest rank's ``halo f+b KiB``.
+``halo ms``, ``AG ms``   median wall time of one forward + backward on rank 0. Warm-up
+                    rounds first; then each round runs both variants, in an order rotated
+                    every round; a barrier precedes each timed step; GC is off while timing.
+``AG/halo ms``      ``AG ms / halo ms`` (above 1: the halo path is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from torch_tp.conv import conv_windows, halo_bytes, sharded_convolution
+from torch_tp.launch import launch, launched_by_torchrun, rank_device
+
+# _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
+# on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
+from _measure import time_interleaved
+
+# ------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One convolution: kernel, stride, dilation and padding on both spatial dims."""
+
+    kernel: int
+    stride: int
+    dilation: int
+    padding: int
+
+    @property
+    def name(self) -> str:
+        return f"k{self.kernel} s{self.stride} d{self.dilation} p{self.padding}"
+
+
+CONVS = (
+    ConvShape(3, 1, 1, 1),
+    ConvShape(5, 1, 1, 2),
+    ConvShape(7, 1, 1, 3),
+    ConvShape(3, 2, 1, 1),
+    ConvShape(3, 1, 2, 2),
+    ConvShape(5, 2, 2, 4),
+)
+QUICK_CONVS = (ConvShape(3, 1, 1, 1), ConvShape(7, 1, 1, 3), ConvShape(5, 2, 2, 4))
+
+IMAGE = (2, 16, 32, 1024)  # N, C, H, W: a wide image
+QUICK_IMAGE = (2, 8, 16, 512)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank needs to know (picklable: it travels to spawned ranks)."""
+
+    image: tuple[int, int, int, int]
+    convs: tuple[ConvShape, ...]
+    iters: int
+    warmup: int
+    result_path: str
+
+
+# ------------------------------------------------------------------------------ bytes
+
+
+class SentBytes:
+    """Context manager: adds up the bytes of every send op given to ``dist.batch_isend_irecv``."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._patch = None
+
+    def __enter__(self) -> SentBytes:
+        real = dist.batch_isend_irecv
+
+        def counting(ops):
+            for op in ops:
+                if op.op is dist.isend:
+                    self.sent += op.tensor.numel() * op.tensor.element_size()
+            return real(ops)
+
+        self._patch = mock.patch.object(dist, "batch_isend_irecv", counting)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._patch.__exit__(*exc)
+
+
+def formula_bytes(image: tuple[int, ...], conv: ConvShape, world: int, element_size: int) -> dict:
+    """Per-rank halo bytes from the geometry: forward, and forward + backward."""
+    n, c, h, w = image
+    windows = conv_windows(w, world, kernel_size=conv.kernel, stride=conv.stride,
+                           padding=conv.padding, dilation=conv.dilation)
+    kw = dict(slice_numel=n * c * h, element_size=element_size)
+    fwd = halo_bytes(windows, **kw, direction="forward")
+    bwd = halo_bytes(windows, **kw, direction="backward")
+    return {"fwd": fwd, "total": [2 * f + b for f, b in zip(fwd, bwd)]}
+
+
+# --------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Case:
+    """The tensors of one row on this rank."""
+
+    mesh: DeviceMesh
+    conv: ConvShape
+    x: torch.Tensor  # global input (same on every rank)
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    def kwargs(self) -> dict:
+        c = self.conv
+        return dict(stride=c.stride, padding=c.padding, dilation=c.dilation)
+
+    def halo_leaves(self) -> tuple[DTensor, DTensor, DTensor]:
+        x = distribute_tensor(self.x, self.mesh, [Shard(3)]).requires_grad_()
+        w = distribute_tensor(self.weight, self.mesh, [Replicate()]).requires_grad_()
+        b = distribute_tensor(self.bias, self.mesh, [Replicate()]).requires_grad_()
+        return x, w, b
+
+    def gather_leaves(self) -> tuple[DTensor, torch.Tensor, torch.Tensor]:
+        x = distribute_tensor(self.x, self.mesh, [Shard(3)]).requires_grad_()
+        w = self.weight.detach().clone().requires_grad_()
+        b = self.bias.detach().clone().requires_grad_()
+        return x, w, b
+
+
+def halo_step(case: Case, leaves) -> torch.Tensor:
+    """Forward + backward through torch_tp's sharded convolution; returns the local output."""
+    x, w, b = leaves
+    for t in leaves:
+        t.grad = None
+    with sharded_convolution():
+        y = F.conv2d(x, w, b, **case.kwargs())
+        y.to_local().sum().backward()
+    return y.to_local().detach()
+
+
+def gather_step(case: Case, leaves) -> torch.Tensor:
+    """All-gather the input, convolve the whole image, keep this rank's output chunk.
+
+    ``to_local(grad_placements=[Partial()])``: each rank's gradient of the gathered input
+    covers only its own outputs, so the backward of the gather is a reduce-scatter.
+    """
+    x, w, b = leaves
+    for t in leaves:
+        t.grad = None
+    full = x.redistribute(case.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    y = F.conv2d(full, w, b, **case.kwargs())
+    rank, world = case.mesh.get_local_rank(), case.mesh.size()
+    chunks = torch.chunk(y, world, dim=3)  # DTensor's Shard rule
+    own = chunks[rank] if rank < len(chunks) else y.narrow(3, 0, 0)
+    own.sum().backward()
+    return own.detach()
+
+
+def check_agreement(case: Case, halo, gather) -> None:
+    """Both variants' output chunk and input-gradient shard equal the single-process conv's."""
+    rank, world = case.mesh.get_local_rank(), case.mesh.size()
+    rx = case.x.detach().clone().requires_grad_()
+    ref = F.conv2d(rx, case.weight, case.bias, **case.kwargs())
+    ref.sum().backward()
+    ref_out, ref_gx = ref.detach().chunk(world, dim=3)[rank], rx.grad.chunk(world, dim=3)[rank]
+    for name, leaves, step in (("halo", halo, halo_step), ("all-gather", gather, gather_step)):
+        out = step(case, leaves)
+        gx = leaves[0].grad.to_local()
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name} {case.conv.name} output: {m}")
+        torch.testing.assert_close(gx, ref_gx, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name} {case.conv.name} input grad: {m}")
+
+
+# ----------------------------------------------------------------------- per-rank driver
+
+
+def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
+    """One row (every rank computes it; rank 0's times are kept)."""
+    world = mesh.size()
+    n, c, h, w = config.image
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, h, w, generator=gen)
+    weight = torch.randn(c, c, conv.kernel, conv.kernel, generator=gen) / (c * conv.kernel ** 2) ** 0.5
+    bias = torch.randn(c, generator=gen)
+    case = Case(mesh, conv, x, weight, bias)
+    halo, gather = case.halo_leaves(), case.gather_leaves()
+    check_agreement(case, halo, gather)
+
+    with SentBytes() as fwd_bytes, sharded_convolution():
+        y = F.conv2d(halo[0], halo[1], halo[2], **case.kwargs())
+    with SentBytes() as bwd_bytes, sharded_convolution():
+        y.to_local().sum().backward()
+    measured = [None] * world
+    dist.all_gather_object(measured, (fwd_bytes.sent, fwd_bytes.sent + bwd_bytes.sent))
+
+    steps = {"halo": lambda: halo_step(case, halo), "all-gather": lambda: gather_step(case, gather)}
+    times = time_interleaved(steps, config.iters, config.warmup)
+    input_bytes = x.numel() * x.element_size()
+    return {
+        "world": world,
+        "conv": conv.name,
+        "w_out": y.shape[3],
+        "formula": formula_bytes(config.image, conv, world, x.element_size()),
+        "measured": {"fwd": [m[0] for m in measured], "total": [m[1] for m in measured]},
+        "ag_total": 2 * input_bytes * (world - 1) // world,
+        "halo_s": [wall for wall, _ in times["halo"]],
+        "gather_s": [wall for wall, _ in times["all-gather"]],
+    }
+
+
+def rank_main(config: Config) -> None:
+    """Entry point on every rank: measure every conv shape, rank 0 writes the rows as JSON."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(rank_device().type, (world,), mesh_dim_names=("sp",))["sp"]
+    rows = [measure_conv(conv, mesh, config) for conv in config.convs]
+    if dist.get_rank() == 0:
+        with open(config.result_path, "w") as f:
+            json.dump(rows, f)
+
+
+# ------------------------------------------------------------------------------ report
+
+COLUMNS = ("world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",
+           "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms")
+
+
+def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Aligned Markdown table: readable in a terminal, pasteable into docs."""
+    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
+
+    def line(values):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), separator, *(line(r) for r in rows)])
+
+
+def kib_list(values: list[int]) -> str:
+    """``[4096, 8192]`` -> ``"4/8"`` (KiB per rank, rank 0 first)."""
+    return "/".join(f"{v / 1024:g}" for v in values)
+
+
+def table_cells(row: dict) -> tuple[str, ...]:
+    halo_ms, gather_ms = (statistics.median(row[k]) * 1e3 for k in ("halo_s", "gather_s"))
+    worst = max(row["formula"]["total"])
+    return (
+        str(row["world"]), row["conv"], str(row["w_out"]),
+        kib_list(row["formula"]["fwd"]), kib_list(row["measured"]["fwd"]),
+        kib_list(row["formula"]["total"]), kib_list(row["measured"]["total"]),
+        f"{row['ag_total'] / 1024:g}", f"{row['ag_total'] / worst:.1f}" if worst else "inf",
+        f"{halo_ms:.2f}", f"{gather_ms:.2f}", f"{gather_ms / halo_ms:.2f}",
+    )
+
+
+def format_report(rows: list[dict], options: argparse.Namespace, config: Config) -> str:
+    backend = "nccl" if rank_device().type == "cuda" else "gloo"
+    n, c, h, w = config.image
+    return "\n".join([
+        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs; {config.iters} timed rounds after "
+        f"{config.warmup} warm-up; 1-min load average {options.load_before:.1f} before starting",
+        f"Conv2d {c}->{c}, input N={n} C={c} H={h} W={w} float32 ({n * c * h * w * 4 / 2**20:g} MiB), "
+        f"sharded Shard(3) on width",
+        "",
+        markdown_table(COLUMNS, [table_cells(row) for row in rows]),
+    ])
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python3 benchmarks/halo_conv.py",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed rounds per conv shape (default 20; 6 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 conv shapes on a smaller image, few rounds (smoke test)")
+    parser.add_argument("--world-sizes", default="2,4",
+                        help="comma-separated world sizes to spawn (default 2,4; ignored under torchrun)")
+    options = parser.parse_args(argv)
+    if options.iters is None:
+        options.iters = 6 if options.quick else 20
+    if options.iters < 1:
+        parser.error("--iters must be at least 1")
+    options.warmup = 1 if options.quick else 3
+    return options
+
+
+def run_world(nproc: int, config: Config) -> list[dict]:
+    """Launch ``nproc`` ranks (or use torchrun's) with ``config``; return rank 0's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = replace(config, result_path=os.path.join(tmp, "rows.json"))
+        launch(rank_main, config, nproc=nproc)
+        if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
+            return []
+        with open(config.result_path) as f:
+            return json.load(f)
+
+
+def progress(message: str) -> None:
+    """Progress goes to stderr (rank 0's only, under torchrun) so stdout holds only the report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    options.load_before = os.getloadavg()[0]
+    config = Config(QUICK_IMAGE if options.quick else IMAGE, QUICK_CONVS if options.quick else CONVS,
+                    options.iters, options.warmup, result_path="")
+    if launched_by_torchrun():
+        worlds = [int(os.environ["WORLD_SIZE"])]
+    else:
+        worlds = [int(w) for w in options.world_sizes.split(",")]
+    start = time.perf_counter()
+    rows = []
+    for nproc in worlds:
+        progress(f"world size {nproc}: {len(config.convs)} conv shapes ...")
+        world_start = time.perf_counter()
+        rows += run_world(nproc, config)
+        progress(f"  done in {time.perf_counter() - world_start:.1f} s")
+    if rows:
+        print(format_report(rows, options, config))
+        progress(f"total {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

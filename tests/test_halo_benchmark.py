@@ -1,0 +1,55 @@
+"""Smoke test of ``benchmarks/halo_conv.py --quick``: it runs and prints its table.
+
+Times are machine noise here and are not asserted; bytes are exact: the halo bytes measured
+at ``batch_isend_irecv`` equal ``halo_bytes`` per rank, and every rank's halo bytes are
+below the bytes an all-gather (plus its reduce-scatter) of the input moves.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+COLUMNS = [
+    "world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",
+    "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms",
+]
+QUICK_CONVS = {"k3 s1 d1 p1", "k7 s1 d1 p3", "k5 s2 d2 p4"}
+
+
+def _table(text: str) -> list[dict[str, str]]:
+    """The first Markdown table in ``text``, as {column: cell} rows (header under ``__header__``)."""
+    block = [line for line in text.splitlines() if line.startswith("|")]
+    header, _separator, *rows = ([c.strip() for c in line.strip().strip("|").split("|")] for line in block)
+    return [dict(zip(header, row)) | {"__header__": header} for row in rows]
+
+
+def _per_rank(cell: str) -> list[float]:
+    return [float(v) for v in cell.split("/")]
+
+
+def test_quick_halo_benchmark_prints_the_table_with_exact_halo_bytes():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/halo_conv.py", "--quick"],
+        capture_output=True, text=True, cwd=ROOT, timeout=180,
+    )
+    out = done.stdout
+    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    rows = _table(out)
+    assert rows and rows[0]["__header__"] == COLUMNS, out
+    assert {(int(r["world"]), r["conv"]) for r in rows} == {(w, c) for w in (2, 4) for c in QUICK_CONVS}, out
+    for row in rows:
+        world = int(row["world"])
+        for formula, measured in (("halo fwd KiB", "measured fwd"), ("halo f+b KiB", "measured f+b")):
+            assert row[formula] == row[measured], (row["conv"], world, formula, out)
+            assert len(_per_rank(row[formula])) == world, (row, out)
+        total = _per_rank(row["halo f+b KiB"])
+        assert 0 < max(total) < float(row["AG f+b KiB"]), (row, out)
+        assert float(row["AG/halo"]) > 1, (row, out)
+        # inner ranks exchange with two neighbours, edge ranks with one: stride 1 sends twice the edges'
+        if row["conv"].split()[1] == "s1":
+            fwd = _per_rank(row["halo fwd KiB"])
+            assert fwd[1:-1] == [2 * fwd[0]] * (world - 2) and fwd[0] == fwd[-1] > 0, (row, out)
+        for column in ("halo ms", "AG ms"):
+            assert float(row[column]) > 0, (row, out)
