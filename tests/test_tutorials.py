@@ -68,3 +68,15 @@ def test_main_job_under_torchrun_uses_the_launchers_ranks():
     out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torch_tp.demo", "--steps", "3")
     assert "2 ranks (gloo), tensor + sequence parallel, 3 steps" in out
     assert "loss curve matches the single-process run" in out
+
+
+def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
+    out = _run("tutorials/spatial_conv_parallel.py")
+    pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
+    assert len(pairs) == 3
+    for sharded, single in pairs:
+        assert abs(float(sharded) - float(single)) <= 1e-5 * max(1.0, abs(float(single)))
+    sent = re.search(r"each rank sends \[(\d+), (\d+)\] bytes of halo; gathering the input would move (\d+)", out)
+    halo_left, halo_right, gathered = map(int, sent.groups())
+    assert halo_left == halo_right == 2 * 3 * 16 * 4  # one column of a 2x3x16 image per edge
+    assert gathered > 40 * halo_left
