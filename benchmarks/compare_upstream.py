@@ -70,10 +70,8 @@ import copy
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,11 +80,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as upstream
 
 import torch_tp
-from torch_tp.launch import launch, launched_by_torchrun, rank_device
+from torch_tp.launch import launched_by_torchrun, rank_device
 from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_parallel_plan, rotary_table
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
+from _driver import markdown_table, progress, run_world  # noqa: E402
 from _measure import local_parameter_bytes, measure_collectives, measure_hook_cpu, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -336,17 +335,6 @@ COLUMNS = ("world", "size", "variant", "mode", "fwd comms", "fwd KiB", "f+b comm
            "param KiB", "step ms", "p25-p75", "CPU ms", "hook µs")
 
 
-def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    """Aligned Markdown table: readable in a terminal, pasteable into docs."""
-    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
-
-    def line(values):
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
-
-    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), separator, *(line(r) for r in rows)])
-
-
 def format_counts(counts: dict[str, int]) -> str:
     """``{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}`` -> ``"2AG+2RS"``."""
     parts = [f"{n}{COLLECTIVE_ABBREVIATIONS.get(name, name)}" for name, n in sorted(counts.items()) if n]
@@ -451,23 +439,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return options
 
 
-def run_world(nproc: int, config: Config) -> list[dict]:
-    """Launch ``nproc`` ranks (or use torchrun's) with ``config``; return rank 0's rows."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = replace(config, result_path=os.path.join(tmp, "rows.json"))
-        launch(rank_main, config, nproc=nproc)
-        if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
-            return []
-        with open(config.result_path) as f:
-            return json.load(f)
-
-
-def progress(message: str) -> None:
-    """Progress goes to stderr (rank 0's only, under torchrun) so stdout holds only the report."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
@@ -482,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     for nproc in worlds:
         progress(f"world size {nproc}: {', '.join(sizes)} ...")
         world_start = time.perf_counter()
-        rows += run_world(nproc, config)
+        rows += run_world(rank_main, nproc, config)
         progress(f"  done in {time.perf_counter() - world_start:.1f} s")
     if rows:
         print(format_report(rows, options, sizes))

@@ -58,11 +58,8 @@ import argparse
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, replace
-from unittest import mock
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -71,10 +68,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torch_tp.conv import conv_windows, halo_bytes, sharded_convolution
-from torch_tp.launch import launch, launched_by_torchrun, rank_device
+from torch_tp.launch import launched_by_torchrun, rank_device
+from torch_tp.testing import record_p2p, sent_bytes
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
+from _driver import markdown_table, progress, run_world  # noqa: E402
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -120,30 +119,6 @@ class Config:
 
 
 # ------------------------------------------------------------------------------ bytes
-
-
-class SentBytes:
-    """Context manager: adds up the bytes of every send op given to ``dist.batch_isend_irecv``."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self._patch = None
-
-    def __enter__(self) -> SentBytes:
-        real = dist.batch_isend_irecv
-
-        def counting(ops):
-            for op in ops:
-                if op.op is dist.isend:
-                    self.sent += op.tensor.numel() * op.tensor.element_size()
-            return real(ops)
-
-        self._patch = mock.patch.object(dist, "batch_isend_irecv", counting)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._patch.__exit__(*exc)
 
 
 def formula_bytes(image: tuple[int, ...], conv: ConvShape, world: int, element_size: int) -> dict:
@@ -247,12 +222,13 @@ def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
     halo, gather = case.halo_leaves(), case.gather_leaves()
     check_agreement(case, halo, gather)
 
-    with SentBytes() as fwd_bytes, sharded_convolution():
+    with record_p2p() as forward_ops, sharded_convolution():
         y = F.conv2d(halo[0], halo[1], halo[2], **case.kwargs())
-    with SentBytes() as bwd_bytes, sharded_convolution():
+    with record_p2p() as backward_ops, sharded_convolution():
         y.to_local().sum().backward()
+    forward_sent = sent_bytes(forward_ops)
     measured = [None] * world
-    dist.all_gather_object(measured, (fwd_bytes.sent, fwd_bytes.sent + bwd_bytes.sent))
+    dist.all_gather_object(measured, (forward_sent, forward_sent + sent_bytes(backward_ops)))
 
     steps = {"halo": lambda: halo_step(case, halo), "all-gather": lambda: gather_step(case, gather)}
     times = time_interleaved(steps, config.iters, config.warmup)
@@ -283,17 +259,6 @@ def rank_main(config: Config) -> None:
 
 COLUMNS = ("world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",
            "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms")
-
-
-def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    """Aligned Markdown table: readable in a terminal, pasteable into docs."""
-    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
-
-    def line(values):
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
-
-    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), separator, *(line(r) for r in rows)])
 
 
 def kib_list(values: list[int]) -> str:
@@ -347,23 +312,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return options
 
 
-def run_world(nproc: int, config: Config) -> list[dict]:
-    """Launch ``nproc`` ranks (or use torchrun's) with ``config``; return rank 0's rows."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = replace(config, result_path=os.path.join(tmp, "rows.json"))
-        launch(rank_main, config, nproc=nproc)
-        if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
-            return []
-        with open(config.result_path) as f:
-            return json.load(f)
-
-
-def progress(message: str) -> None:
-    """Progress goes to stderr (rank 0's only, under torchrun) so stdout holds only the report."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     options.load_before = os.getloadavg()[0]
@@ -378,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     for nproc in worlds:
         progress(f"world size {nproc}: {len(config.convs)} conv shapes ...")
         world_start = time.perf_counter()
-        rows += run_world(nproc, config)
+        rows += run_world(rank_main, nproc, config)
         progress(f"  done in {time.perf_counter() - world_start:.1f} s")
     if rows:
         print(format_report(rows, options, config))

@@ -6,31 +6,13 @@ ranks talk and how many bytes each one sends. Values are small integers, so comp
 with the single-process reference are exact.
 """
 
-import contextlib
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch_tp.conv import conv_windows, halo_bytes, halo_exchange
-from torch_tp.testing import mesh_2x2, rank, run_on_ranks, tp_mesh, world_size, world_sizes
-
-
-@contextlib.contextmanager
-def _recorded_p2p():
-    """Yield a list that collects ``(kind, global_peer, nbytes)`` of every P2P op issued."""
-    records = []
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        for op in ops:
-            kind = "send" if op.op is dist.isend else "recv"
-            records.append((kind, op.peer, op.tensor.numel() * op.tensor.element_size()))
-        return real(ops)
-
-    with mock.patch.object(dist, "batch_isend_irecv", recording):
-        yield records
+from torch_tp.testing import record_p2p, mesh_2x2, rank, run_on_ranks, tp_mesh, world_size, world_sizes
 
 
 def _counts(window):
@@ -62,7 +44,7 @@ def _exchange_on(mesh, global_x, *, dim, recv_left, recv_right, how):
     start, stop = bounds[position]
     x = global_x.narrow(dim, start, stop - start).clone().requires_grad_()
     where = dict(group=group) if how == "group" else dict(mesh=mesh, mesh_dim="tp")
-    with _recorded_p2p() as records:
+    with record_p2p() as records:
         strip = halo_exchange(x, dim=dim, **counts, **where)
     lo, hi = start - counts["recv_left"], stop + counts["recv_right"]
     assert torch.equal(strip, global_x.narrow(dim, lo, hi - lo)), (position, strip, lo, hi)
@@ -145,9 +127,9 @@ def _bytes_sent(case):
     global_x = torch.arange(2 * 3 * in_size, dtype=torch.float32).view(2, 3, in_size)
     x = global_x[..., w.in_start : w.in_stop].clone().requires_grad_()
     counts = _counts(w)
-    with _recorded_p2p() as forward:
+    with record_p2p() as forward:
         strip = halo_exchange(x, dim=-1, **counts, mesh=tp_mesh())
-    with _recorded_p2p() as backward:
+    with record_p2p() as backward:
         strip.sum().backward()
     sent = [sum(b for kind, _, b in records if kind == "send") for records in (forward, backward)]
     expected = [halo_bytes(windows, slice_numel=6, element_size=4, direction=d)[rank()]

@@ -7,36 +7,18 @@ the check is ``atol=1e-5``. Every P2P op is recorded (as in ``test_halo.py``) to
 batch-only sharding exchanges nothing and that the halos carry exactly the geometry's bytes.
 """
 
-import contextlib
 import itertools
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch_tp.conv import conv_windows, halo_bytes, install, sharded_convolution, uninstall
-from torch_tp.testing import mesh_2x2, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import record_p2p, mesh_2x2, run_on_ranks, tp_mesh, world_sizes
 
 aten = torch.ops.aten
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _OTHER = 4  # size of the non-sharded spatial dims (kernel 3, padding 1 there)
-
-
-@contextlib.contextmanager
-def _recorded_p2p():
-    records = []
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        for op in ops:
-            kind = "send" if op.op is dist.isend else "recv"
-            records.append((kind, op.peer, op.tensor.numel() * op.tensor.element_size()))
-        return real(ops)
-
-    with mock.patch.object(dist, "batch_isend_irecv", recording):
-        yield records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,18 +206,18 @@ def _comm_task():
     case = (2, 3, 30, 4, 1, 3, 1)  # Conv2d, width 30 sharded, k=4, padding 3
     x, w, b, kwargs = _case_tensors(case, 4, 0)
     _y, grad, gx_ref, gw_ref, _gb = _reference(case, x, w, b, kwargs, 0)
-    with _recorded_p2p() as batch_only:
+    with record_p2p() as batch_only:
         y, gx, gw, _ = _run_sharded(mesh, [Shard(0)], case, x, w, b, kwargs, grad)
     assert y.placements == (Shard(0),) and gx.placements == (Shard(0),)
     torch.testing.assert_close(gx.full_tensor(), gx_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(gw.full_tensor(), gw_ref, atol=1e-5, rtol=0)
-    with _recorded_p2p() as spatial:
+    with record_p2p() as spatial:
         _run_sharded(mesh, [Shard(3)], case, x, w, b, kwargs, grad)
     sent = sum(nbytes for kind, _, nbytes in spatial if kind == "send")
     # input without grad (output_mask[0] False): no adjoint exchange, weight grad still right
     dx = _local(x, mesh, [Shard(3)])
     dw = _local(w, mesh, [Replicate()]).requires_grad_()
-    with _recorded_p2p() as no_input_grad, sharded_convolution():
+    with record_p2p() as no_input_grad, sharded_convolution():
         y = F.conv2d(dx, dw, None, **kwargs)
         y.backward(_local(grad, mesh, y.placements))
     torch.testing.assert_close(dw.grad.full_tensor(), gw_ref, atol=1e-5, rtol=0)

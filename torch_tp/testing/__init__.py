@@ -5,7 +5,7 @@ Example::
     from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
 """
 
-from torch_tp.testing._comm import assert_comm_counts, comm_counts
+from torch_tp.testing._comm import assert_comm_counts, comm_counts, record_p2p, sent_bytes
 from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
 from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
 from torch_tp.testing._reference import assert_params_and_grads_match, full_tensor, local_chunk
@@ -20,7 +20,9 @@ __all__ = [
     "local_chunk",
     "mesh_2x2",
     "rank",
+    "record_p2p",
     "run_on_ranks",
+    "sent_bytes",
     "shutdown_pools",
     "tp_mesh",
     "world_size",

@@ -8,10 +8,15 @@ short functional-collective name per communication (e.g. ``"all_reduce"``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Mapping
+from unittest import mock
+
+import torch.distributed as dist
 
 
-__all__ = ["assert_comm_counts", "comm_counts"]
+__all__ = ["assert_comm_counts", "comm_counts", "record_p2p", "sent_bytes"]
 
 # In-place c10d ops (what torch.distributed.* calls dispatch to) -> the
 # functional-collective name for the same communication.
@@ -86,3 +91,42 @@ def assert_comm_counts(counts: Mapping[Any, int], expected: Mapping[Any, int], w
         raise AssertionError(
             f"{what}: collective counts differ\n  expected: {wanted}\n  actual:   {actual}"
         )
+
+
+@contextlib.contextmanager
+def record_p2p() -> Iterator[list[tuple[str, int, int]]]:
+    """Record every point-to-point op given to ``dist.batch_isend_irecv`` on this rank.
+
+    Yields a list that fills with ``(kind, global_peer, nbytes)``, ``kind`` being ``"send"``
+    or ``"recv"``; the ops still run.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> with record_p2p() as ops:
+        ...     halo_exchange(x, dim=-1, recv_left=1, recv_right=1, send_left=1, send_right=1, mesh=mesh)
+        >>> sum(n for kind, _, n in ops if kind == "send")
+        256
+    """
+    records: list[tuple[str, int, int]] = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        for op in ops:
+            kind = "send" if op.op is dist.isend else "recv"
+            records.append((kind, op.peer, op.tensor.numel() * op.tensor.element_size()))
+        return real(ops)
+
+    with mock.patch.object(dist, "batch_isend_irecv", recording):
+        yield records
+
+
+def sent_bytes(records: list[tuple[str, int, int]]) -> int:
+    """Bytes of the ``"send"`` ops in a :func:`record_p2p` list.
+
+    Example::
+
+        >>> sent_bytes([("send", 1, 64), ("recv", 1, 64), ("send", 0, 32)])
+        96
+    """
+    return sum(nbytes for kind, _, nbytes in records if kind == "send")

@@ -1,0 +1,48 @@
+"""Driving a benchmark's ranks and printing its report (shared by the benchmark scripts).
+
+A script defines ``rank_main(config)``, which runs on every rank and has rank 0 write its
+result rows as JSON to ``config.result_path``; :func:`run_world` launches it (spawned gloo
+ranks, or the ranks ``torchrun`` made) and returns those rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from torch_tp.launch import launch
+
+__all__ = ["run_world", "progress", "markdown_table"]
+
+
+def run_world(rank_main: Callable[[Any], None], nproc: int, config: Any) -> list[dict]:
+    """Launch ``nproc`` ranks (or use torchrun's) running ``rank_main(config)``; return rank 0's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = replace(config, result_path=os.path.join(tmp, "rows.json"))
+        launch(rank_main, config, nproc=nproc)
+        if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
+            return []
+        with open(config.result_path) as f:
+            return json.load(f)
+
+
+def progress(message: str) -> None:
+    """Progress goes to stderr (rank 0's only, under torchrun) so stdout holds only the report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Aligned Markdown table: readable in a terminal, pasteable into docs."""
+    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
+
+    def line(values):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), separator, *(line(r) for r in rows)])
