@@ -11,13 +11,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from torch_tp.launch import launch
+from torch_tp.launch import launch, launched_by_torchrun
 
-__all__ = ["run_world", "progress", "markdown_table"]
+__all__ = ["run_world", "run_worlds", "progress", "markdown_table"]
 
 
 def run_world(rank_main: Callable[[Any], None], nproc: int, config: Any) -> list[dict]:
@@ -46,3 +47,24 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
     separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), separator, *(line(r) for r in rows)])
+
+
+def run_worlds(rank_main: Callable[[Any], None], config: Any, world_sizes: str, what: str) -> list[dict]:
+    """:func:`run_world` for each size in ``world_sizes`` ("2,4"), or once under torchrun.
+
+    Reports progress (``what`` says what each world runs) and the total time on stderr.
+    """
+    if launched_by_torchrun():  # this process is one of the launcher's ranks
+        worlds = [int(os.environ["WORLD_SIZE"])]
+    else:
+        worlds = [int(w) for w in world_sizes.split(",")]
+    start = time.perf_counter()
+    rows: list[dict] = []
+    for nproc in worlds:
+        progress(f"world size {nproc}: {what} ...")
+        world_start = time.perf_counter()
+        rows += run_world(rank_main, nproc, config)
+        progress(f"  done in {time.perf_counter() - world_start:.1f} s")
+    if rows:
+        progress(f"total {time.perf_counter() - start:.1f} s")
+    return rows

@@ -70,7 +70,6 @@ import copy
 import json
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +79,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as upstream
 
 import torch_tp
-from torch_tp.launch import launched_by_torchrun, rank_device
+from torch_tp.launch import rank_device
 from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_parallel_plan, rotary_table
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import markdown_table, progress, run_world  # noqa: E402
+from _driver import markdown_table, run_worlds  # noqa: E402
 from _measure import local_parameter_bytes, measure_collectives, measure_hook_cpu, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -444,20 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
     sizes = ("tiny",) if options.quick else ("small", "tiny")
     config = Config(sizes, options.iters, options.warmup, options.hook_rounds, result_path="")
-    if launched_by_torchrun():  # this process is one of the launcher's ranks
-        worlds = [int(os.environ["WORLD_SIZE"])]
-    else:
-        worlds = [int(w) for w in options.world_sizes.split(",")]
-    start = time.perf_counter()
-    rows = []
-    for nproc in worlds:
-        progress(f"world size {nproc}: {', '.join(sizes)} ...")
-        world_start = time.perf_counter()
-        rows += run_world(rank_main, nproc, config)
-        progress(f"  done in {time.perf_counter() - world_start:.1f} s")
+    rows = run_worlds(rank_main, config, options.world_sizes, ", ".join(sizes))
     if rows:
         print(format_report(rows, options, sizes))
-        progress(f"total {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +67,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torch_tp.conv import conv_windows, halo_bytes, sharded_convolution
-from torch_tp.launch import launched_by_torchrun, rank_device
+from torch_tp.launch import rank_device
 from torch_tp.testing import record_p2p, sent_bytes
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import markdown_table, progress, run_world  # noqa: E402
+from _driver import markdown_table, run_worlds  # noqa: E402
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -317,20 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     options.load_before = os.getloadavg()[0]
     config = Config(QUICK_IMAGE if options.quick else IMAGE, QUICK_CONVS if options.quick else CONVS,
                     options.iters, options.warmup, result_path="")
-    if launched_by_torchrun():
-        worlds = [int(os.environ["WORLD_SIZE"])]
-    else:
-        worlds = [int(w) for w in options.world_sizes.split(",")]
-    start = time.perf_counter()
-    rows = []
-    for nproc in worlds:
-        progress(f"world size {nproc}: {len(config.convs)} conv shapes ...")
-        world_start = time.perf_counter()
-        rows += run_world(rank_main, nproc, config)
-        progress(f"  done in {time.perf_counter() - world_start:.1f} s")
+    rows = run_worlds(rank_main, config, options.world_sizes, f"{len(config.convs)} conv shapes")
     if rows:
         print(format_report(rows, options, config))
-        progress(f"total {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":
