@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
+from torch_tp.parallel._layouts import shard_bounds
+
 __all__ = ["ShardWindow", "conv_windows", "resolve_padding"]
 
 Padding = Union[int, str, Sequence[int]]
@@ -103,12 +105,6 @@ class ShardWindow:
     def local_size(self) -> int:
         """Length of the local convolution input: the trimmed strip plus the edge zeros."""
         return self.strip_size - self.trim_left - self.trim_right + self.pad_left + self.pad_right
-
-
-def _chunks(size: int, num_ranks: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of every rank under ``torch.chunk`` sizes (DTensor's ``Shard``)."""
-    chunk = -(-size // num_ranks)
-    return [(min(r * chunk, size), min((r + 1) * chunk, size)) for r in range(num_ranks)]
 
 
 def _check_positive(**sizes: int) -> None:
@@ -224,7 +220,7 @@ def conv_windows(
             f"input of length {in_size} padded by ({pad_l}, {pad_r}) is shorter than the dilated "
             f"kernel span dilation*(kernel_size-1)+1 = {span + 1}; the convolution has no output"
         )
-    in_chunks, out_chunks = _chunks(in_size, num_ranks), _chunks(out_total, num_ranks)
+    in_chunks, out_chunks = shard_bounds(in_size, num_ranks), shard_bounds(out_total, num_ranks)
     halves = [
         _own_side(r, in_chunks, out_chunks[r], stride=stride, pad_l=pad_l, dilation=dilation, span=span)
         for r in range(num_ranks)

@@ -47,6 +47,31 @@ def normalize_layouts(
     )
 
 
+def shard_bounds(size: int, num_ranks: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each rank's piece of a dim of ``size`` under ``Shard`` (``torch.chunk`` rule).
+
+    Example::
+
+        >>> shard_bounds(10, 4)
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
+    chunk = -(-size // num_ranks)
+    return [(min(r * chunk, size), min((r + 1) * chunk, size)) for r in range(num_ranks)]
+
+
+def shard_sizes(size: int, num_ranks: int) -> tuple[int, ...]:
+    """How many slices of a dim of ``size`` each rank holds under ``Shard`` (torch.chunk rule).
+
+    Example::
+
+        >>> shard_sizes(10, 4)
+        (3, 3, 3, 1)
+        >>> shard_sizes(3, 4)
+        (1, 1, 1, 0)
+    """
+    return tuple(stop - start for start, stop in shard_bounds(size, num_ranks))
+
+
 def check_same_length(
     layouts: tuple | None, desired: tuple | None, names: tuple[str, str]
 ) -> None:

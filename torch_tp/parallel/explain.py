@@ -18,24 +18,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp.parallel import _checks
+from torch_tp.parallel._layouts import shard_sizes
 from torch_tp.parallel._upstream import as_torch_tp_style
 from torch_tp.parallel.plan import resolve_plan
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]
-
-
-def shard_sizes(size: int, num_ranks: int) -> tuple[int, ...]:
-    """How many slices of a dim of ``size`` each rank holds under ``Shard`` (torch.chunk rule).
-
-    Example::
-
-        >>> shard_sizes(10, 4)
-        (3, 3, 3, 1)
-        >>> shard_sizes(3, 4)
-        (1, 1, 1, 0)
-    """
-    chunk = -(-size // num_ranks) if size else 0
-    return tuple(max(0, min(chunk, size - rank * chunk)) for rank in range(num_ranks))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from torch_tp.parallel._layouts import (
     finish_output,
     normalize_layouts,
     redistribute_to,
+    shard_sizes,
     to_dtensor,
 )
 from torch_tp.parallel._prepare import install_input_hook, install_output_hook
@@ -260,8 +261,7 @@ def _global_size(local: torch.Tensor, d: int, device_mesh, module, module_path) 
     dist.all_gather(sizes, mine, group=device_mesh.get_group(0))
     sizes = [int(s.item()) for s in sizes]
     total = sum(sizes)
-    chunk = -(-total // n)
-    expected = [max(0, min(chunk, total - i * chunk)) for i in range(n)]
+    expected = list(shard_sizes(total, n))
     if sizes != expected:
         raise ValueError(
             f"SpatialParallel on {_checks.describe(module, module_path)}: the ranks' inputs have "
