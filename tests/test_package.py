@@ -31,6 +31,7 @@ PUBLIC_MODULES = [
     "torch_tp.demo",
     "torch_tp.conv",
     "torch_tp.conv.halo",
+    "torch_tp.overlap",
 ]
 
 

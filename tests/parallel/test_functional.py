@@ -72,6 +72,6 @@ def test_styles_delegate_to_the_function_of_the_same_name(monkeypatch):
     ColwiseParallel(use_local_output=False).apply_to(None, None, src_data_rank=None, module_path="x")
     PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()).apply_to(None, None)
     assert calls[0] == ("colwise", dict(
-        input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False,
+        input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False, overlap=False,
         src_data_rank=None, module_path="x"))
     assert calls[1][0] == "prepare_input" and calls[1][1]["input_layouts"] == (Shard(1),)

@@ -3,9 +3,11 @@
 Each case compiles with the ``aot_eager`` and ``inductor`` (CPU) backends, checks the
 compiled output against eager (float32: 1e-5; bfloat16: a bfloat16 rounding step, since
 inductor fuses the pointwise tail in float32) and that ``torch._dynamo.explain`` sees one
-graph and no graph break. Inference only: quantized weights are frozen
-(``requires_grad=False``) and the input gradient of an int8 linear (``grad @ w``, scales
-along the summed dim) is refused by design.
+graph and no graph break. These cases are inference; quantized weights are frozen
+(``requires_grad=False``), and compiled training through int8 layers (gradients reaching
+norms and activations) is tested in ``tests/overlap/test_overlap_compile.py``. The subclass's
+``__tensor_flatten__``/``__tensor_unflatten__`` round trip, and its class registry, are
+tested here too.
 
 Durations on 2 CPU cores, with an empty / a warm inductor cache (the first inductor compile
 in a process also pays ~5 s of inductor start-up, ~10 s on 2 ranks sharing the cores; it
@@ -17,6 +19,8 @@ lands on whichever case runs first in that process); the file: ~77 s / ~50 s.
   inductor start-up); world size 4, ``aot_eager``, float32 only: 5-8 s
 - sharded Llama (quantized Linear + Embedding), world size 2, both backends: 17 s / 7-8 s per plan
 """
+
+from unittest import mock
 
 import pytest
 import torch
@@ -157,6 +161,44 @@ def test_compiled_function_takes_and_returns_int8_tensors(backend):
         assert type(g) is Int8SymmetricTensor and (g.shape, g.dtype) == (w.shape, w.dtype)
         assert torch.equal(g.qdata, w.qdata) and torch.equal(g.scale, w.scale)
     _assert_no_graph_break(_views_and_copies, q, x)
+
+
+def test_flatten_unflatten_round_trip_rebuilds_the_same_tensor():
+    q = Int8SymmetricTensor.from_hp(torch.randn(6, 4, dtype=torch.bfloat16))
+    names, context = q.__tensor_flatten__()
+    assert names == ["qdata", "scale"] and context["dtype"] == torch.bfloat16
+    inner = {name: getattr(q, name) for name in names}
+    rebuilt = Int8SymmetricTensor.__tensor_unflatten__(inner, context, q.shape, q.stride())
+    assert type(rebuilt) is Int8SymmetricTensor and rebuilt.dtype == torch.bfloat16
+    assert torch.equal(rebuilt.qdata, q.qdata) and torch.equal(rebuilt.scale, q.scale)
+
+
+def test_compiled_graphs_rebuild_int8_tensors_through_the_registry():
+    from torch_tp.quant import _registry
+
+    q, x = Int8SymmetricTensor.from_hp(torch.randn(10, 16)), torch.randn(3, 16)
+    no_cache, one_thread = _compile_settings()
+    with no_cache, one_thread, mock.patch.object(_registry, "registered_class", wraps=_registry.registered_class) as spy:
+        got = _compile(_views_and_copies, "aot_eager")(q, x)
+    assert spy.call_count > 0  # the int8 outputs were rebuilt by __tensor_unflatten__
+    assert {call.args[0] for call in spy.call_args_list} == {"torch_tp.quant.int8_tensor.Int8SymmetricTensor"}
+    assert all(type(t) is Int8SymmetricTensor for t in got[1:])
+
+
+class _ForeignInt8(Int8SymmetricTensor):
+    """A subclass defined outside torch_tp: not in the unflatten registry."""
+
+
+def test_unflatten_refuses_classes_that_torch_tp_did_not_register():
+    q = Int8SymmetricTensor.from_hp(torch.randn(4, 4))
+    inner = {"qdata": q.qdata, "scale": q.scale}
+    for forged in ("os.system", "builtins.object", f"{__name__}._ForeignInt8"):
+        with pytest.raises(TypeError, match=r"only builds torch_tp's registered classes \['torch_tp\.quant"):
+            Int8SymmetricTensor.__tensor_unflatten__(inner, {"dtype": torch.float32, "class": forged}, q.shape, q.stride())
+    foreign = _ForeignInt8(q.qdata, q.scale, torch.float32)
+    with pytest.raises(Exception, match=r"registered classes"):
+        _compile(lambda w: w.detach(), "aot_eager")(foreign)
+    torch._dynamo.reset()
 
 
 def test_compiled_function_returning_a_strided_view_of_an_input_says_to_copy():

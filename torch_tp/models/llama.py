@@ -215,8 +215,22 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def _require_overlap_support(sequence_parallel: bool, overlap: bool, styles: ModuleType) -> None:
+    if overlap and not sequence_parallel:
+        raise ValueError(
+            "overlap=True fuses the sequence-parallel all-gathers and reduce-scatters into the "
+            "matmuls; pass sequence_parallel=True as well"
+        )
+    if overlap and styles is not _torch_tp_styles:
+        raise ValueError(f"overlap=True needs torch_tp's styles; {styles.__name__} has no overlap option")
+
+
 def block_tensor_parallel_plan(
-    *, sequence_parallel: bool = False, prefix: str = "", styles: ModuleType = _torch_tp_styles
+    *,
+    sequence_parallel: bool = False,
+    overlap: bool = False,
+    prefix: str = "",
+    styles: ModuleType = _torch_tp_styles,
 ) -> dict[str, ParallelStyle]:
     """The plan for one :class:`TransformerBlock` (keys relative to the block, or under ``prefix``).
 
@@ -225,25 +239,38 @@ def block_tensor_parallel_plan(
     the module the style classes come from: torch_tp's by default, or
     ``torch.distributed.tensor.parallel`` for the same plan in upstream's styles.
 
+    ``overlap=True`` (with ``sequence_parallel=True``) fuses each Colwise layer's input
+    all-gather and each Rowwise layer's reduce-scatter into its matmul
+    (``ColwiseParallel(overlap=True)``, ``RowwiseParallel(overlap=True)``). Each of
+    wq/wk/wv (w1/w3) then gathers the block input itself: more bytes on the wire than the
+    shared all-gather of the unfused plan, but every transfer overlaps a matmul.
+
     Example::
 
         >>> sorted(block_tensor_parallel_plan())[:2]
         ['attention', 'attention.w[kqv]']
+        >>> block_tensor_parallel_plan(sequence_parallel=True, overlap=True)["attention.wo"]
+        RowwiseParallel(input_layouts=None, output_layouts=Shard(dim=1), use_local_output=True, overlap=True)
     """
+    _require_overlap_support(sequence_parallel, overlap, styles)
     between = Shard(1) if sequence_parallel else Replicate()
+    # Unfused: one DTensor input per module, gathered once: wq/wk/wv (w1/w3) share it, so
+    # their input grads are summed as partial sums and reduced by a single collective.
+    # Fused: the input stays sequence-sharded and each Colwise layer gathers it in its matmul.
+    block_input = between if overlap else Replicate()
+    colwise = styles.ColwiseParallel(input_layouts=between, overlap=True) if overlap else styles.ColwiseParallel()
+    fused = dict(overlap=True) if overlap else {}
     plan: dict[str, ParallelStyle] = {
-        # One DTensor input per module: wq/wk/wv (w1/w3) share it, so their input grads
-        # are summed as partial sums and reduced by a single collective.
         "attention": styles.PrepareModuleInput(
-            input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(between, None), desired_input_layouts=(block_input, None)
         ),
-        "attention.w[kqv]": styles.ColwiseParallel(),
-        "attention.wo": styles.RowwiseParallel(output_layouts=between),
+        "attention.w[kqv]": colwise,
+        "attention.wo": styles.RowwiseParallel(output_layouts=between, **fused),
         "feed_forward": styles.PrepareModuleInput(
-            input_layouts=(between,), desired_input_layouts=(Replicate(),)
+            input_layouts=(between,), desired_input_layouts=(block_input,)
         ),
-        "feed_forward.w[13]": styles.ColwiseParallel(),
-        "feed_forward.w2": styles.RowwiseParallel(output_layouts=between),
+        "feed_forward.w[13]": colwise,
+        "feed_forward.w2": styles.RowwiseParallel(output_layouts=between, **fused),
     }
     if sequence_parallel:
         plan["attention_norm"] = styles.SequenceParallel()
@@ -252,12 +279,13 @@ def block_tensor_parallel_plan(
 
 
 def tensor_parallel_plan(
-    *, sequence_parallel: bool = False, styles: ModuleType = _torch_tp_styles
+    *, sequence_parallel: bool = False, overlap: bool = False, styles: ModuleType = _torch_tp_styles
 ) -> dict[str, ParallelStyle]:
     """torch_tp's documented tensor-parallel plan for :class:`Transformer`.
 
     The output head returns replicated logits, so the loss is computed as in a
-    single-process model. ``styles`` as in :func:`block_tensor_parallel_plan`.
+    single-process model. ``overlap`` and ``styles`` as in :func:`block_tensor_parallel_plan`
+    (with ``overlap=True`` the output head fuses its input all-gather too).
 
     Example::
 
@@ -265,11 +293,15 @@ def tensor_parallel_plan(
         >>> plan["norm"]
         SequenceParallel(sequence_dim=1, use_local_output=False)
     """
+    _require_overlap_support(sequence_parallel, overlap, styles)
     between = Shard(1) if sequence_parallel else Replicate()
+    fused = dict(overlap=True) if overlap else {}
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": styles.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        **block_tensor_parallel_plan(sequence_parallel=sequence_parallel, prefix="layers.*.", styles=styles),
-        "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+        **block_tensor_parallel_plan(
+            sequence_parallel=sequence_parallel, overlap=overlap, prefix="layers.*.", styles=styles
+        ),
+        "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate(), **fused),
     }
     if sequence_parallel:
         plan["norm"] = styles.SequenceParallel()

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp import conv
-from torch_tp.parallel import _checks
+from torch_tp.parallel import _checks, _overlap
 from torch_tp.parallel.rules import (
     BOTH_STAGES,
     check_colwise,
@@ -109,6 +109,7 @@ def colwise(
     input_layouts: Placement | None = None,
     output_layouts: Placement | None = None,
     use_local_output: bool = True,
+    overlap: bool = False,
     src_data_rank: int | None = 0,
     module_path: str | None = None,
 ) -> nn.Module:
@@ -120,6 +121,11 @@ def colwise(
     ``output_layouts`` (default ``Shard(-1)``) and returned as a local tensor when
     ``use_local_output``.
 
+    ``overlap=True`` (an ``nn.Linear`` whose input is sequence-sharded,
+    ``input_layouts=Shard(d)``): the input all-gather is fused into the matmul
+    (:func:`torch_tp.overlap.all_gather_matmul`), each chunk's transfer overlapping the
+    previous chunk's matmul. Same output, same gradients.
+
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
@@ -130,13 +136,19 @@ def colwise(
     check_colwise(module, device_mesh, module_path)
     input_layout = input_layouts or Replicate()
     output_layout = output_layouts or Shard(-1)
+    if overlap:
+        _overlap.check_overlap_layout(input_layout, "input_layouts", "ColwiseParallel", "all-gather")
+        _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
     _distribute_parameters(module, colwise_placements(module), device_mesh, src_data_rank)
-    module.register_forward_pre_hook(
-        partial(
-            _sharded_module_input,
-            device_mesh, input_layout, Replicate(), None, module_path, "ColwiseParallel",
+    if overlap:
+        _overlap.install_colwise_overlap(module, device_mesh, input_layout, module_path)
+    else:
+        module.register_forward_pre_hook(
+            partial(
+                _sharded_module_input,
+                device_mesh, input_layout, Replicate(), None, module_path, "ColwiseParallel",
+            )
         )
-    )
     module.register_forward_hook(partial(_redistribute_output, output_layout, use_local_output))
     _checks.mark_prepared(module, _BOTH, "ColwiseParallel")
     return module
@@ -149,6 +161,7 @@ def rowwise(
     input_layouts: Placement | None = None,
     output_layouts: Placement | None = None,
     use_local_output: bool = True,
+    overlap: bool = False,
     src_data_rank: int | None = 0,
     module_path: str | None = None,
 ) -> nn.Module:
@@ -165,6 +178,10 @@ def rowwise(
     4 ranks hands over 3, 3, 3, 1 columns) is rebuilt with the Linear's true
     ``in_features``, so the global shape is right.
 
+    ``overlap=True`` (an ``nn.Linear`` with ``output_layouts=Shard(d)``, sequence
+    parallelism): the reduce-scatter is fused into the matmul
+    (:func:`torch_tp.overlap.matmul_reduce_scatter`). Same output, same gradients.
+
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
@@ -179,7 +196,12 @@ def rowwise(
     desired = Replicate() if is_embedding else Shard(-1)
     input_layout = input_layouts or desired
     output_layout = output_layouts or Replicate()
+    if overlap:
+        _overlap.check_overlap_layout(output_layout, "output_layouts", "RowwiseParallel", "reduce-scatter")
+        _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
     _distribute_parameters(module, rowwise_placements(module), device_mesh, src_data_rank)
+    if overlap:
+        _overlap.install_rowwise_overlap(module, device_mesh, output_layout, module_path)
     in_features = None if is_embedding else module.in_features
     module.register_forward_pre_hook(
         partial(

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import style as _upstream
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp.parallel import _checks, functional, rules
+from torch_tp.parallel import _checks, _overlap, functional, rules
 from torch_tp.parallel._layouts import check_same_length, normalize_layouts
 
 __all__ = [
@@ -49,6 +49,8 @@ class ParallelStyle(_upstream.ParallelStyle):
     """
 
     _fields: tuple[str, ...] = ()
+    #: torch_tp-only settings (absent upstream), left out of ``repr`` at these defaults
+    _additive_defaults: dict[str, Any] = {}
 
     def check(self, module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
         """Raise if this style cannot be applied to ``module`` on ``device_mesh``; change nothing."""
@@ -85,13 +87,23 @@ class ParallelStyle(_upstream.ParallelStyle):
         return hash((type(self), self._settings()))
 
     def __repr__(self) -> str:
-        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
+        settings = ", ".join(
+            f"{name}={getattr(self, name)!r}"
+            for name in self._fields
+            if name not in self._additive_defaults or getattr(self, name) != self._additive_defaults[name]
+        )
         return f"{type(self).__name__}({settings})"
 
 
 def _hashable(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted(value.items()))
+    return value
+
+
+def _flag(value: Any, argument: str, style: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{style}({argument}=...) takes True or False, got {value!r}")
     return value
 
 
@@ -109,6 +121,10 @@ class ColwiseParallel(ParallelStyle):
             a plain tensor. Default ``Replicate()``; e.g. ``Shard(1)`` under sequence parallelism.
         output_layouts (Placement, optional): layout of the output. Default ``Shard(-1)``.
         use_local_output (bool): return the local shard instead of a DTensor. Default ``True``.
+        overlap (bool): torch_tp only. For an ``nn.Linear`` with a sequence-sharded input
+            (``input_layouts=Shard(1)``): fuse the input all-gather into the matmul, each
+            chunk's transfer overlapping a matmul (:func:`torch_tp.overlap.all_gather_matmul`).
+            Default ``False``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -117,12 +133,15 @@ class ColwiseParallel(ParallelStyle):
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> parallelize_module(model, mesh, {"layers.*.feed_forward.w[13]": ColwiseParallel()})
+        >>> parallelize_module(model, mesh, {"layers.*.feed_forward.w[13]":
+        ...     ColwiseParallel(input_layouts=Shard(1), overlap=True)})
 
     .. note:: The output is sharded on its last dim, so code between this layer and its
         paired :class:`RowwiseParallel` sees local feature counts (e.g. local heads).
     """
 
-    _fields = ("input_layouts", "output_layouts", "use_local_output")
+    _fields = ("input_layouts", "output_layouts", "use_local_output", "overlap")
+    _additive_defaults = {"overlap": False}
 
     def __init__(
         self,
@@ -130,17 +149,23 @@ class ColwiseParallel(ParallelStyle):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
+        overlap: bool = False,
     ):
         super().__init__()
         self.input_layouts = _single_layout(input_layouts, "input_layouts", "ColwiseParallel") or Replicate()
         self.output_layouts = _single_layout(output_layouts, "output_layouts", "ColwiseParallel") or Shard(-1)
         self.use_local_output = use_local_output
+        self.overlap = _flag(overlap, "overlap", "ColwiseParallel")
+        if self.overlap:
+            _overlap.check_overlap_layout(self.input_layouts, "input_layouts", "ColwiseParallel", "all-gather")
 
     def param_placements(self, module):
         return rules.colwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
         rules.check_colwise(module, device_mesh, module_path)
+        if self.overlap:
+            _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.colwise(
@@ -149,6 +174,7 @@ class ColwiseParallel(ParallelStyle):
             input_layouts=self.input_layouts,
             output_layouts=self.output_layouts,
             use_local_output=self.use_local_output,
+            overlap=self.overlap,
             src_data_rank=src_data_rank,
             module_path=module_path,
         )
@@ -163,6 +189,9 @@ class RowwiseParallel(ParallelStyle):
         output_layouts (Placement, optional): layout of the output. Default ``Replicate()``
             (an all-reduce); ``Shard(1)`` reduce-scatters onto the sequence dim.
         use_local_output (bool): return the local tensor instead of a DTensor. Default ``True``.
+        overlap (bool): torch_tp only. For an ``nn.Linear`` whose output is sequence-sharded
+            (``output_layouts=Shard(1)``): fuse the reduce-scatter into the matmul
+            (:func:`torch_tp.overlap.matmul_reduce_scatter`). Default ``False``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -171,9 +200,12 @@ class RowwiseParallel(ParallelStyle):
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> parallelize_module(model, mesh, {"layers.*.attention.wo": RowwiseParallel()})
+        >>> parallelize_module(model, mesh, {"layers.*.attention.wo":
+        ...     RowwiseParallel(output_layouts=Shard(1), overlap=True)})
     """
 
-    _fields = ("input_layouts", "output_layouts", "use_local_output")
+    _fields = ("input_layouts", "output_layouts", "use_local_output", "overlap")
+    _additive_defaults = {"overlap": False}
 
     def __init__(
         self,
@@ -181,18 +213,24 @@ class RowwiseParallel(ParallelStyle):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
+        overlap: bool = False,
     ):
         super().__init__()
         # None: chosen by module type when applied (Shard(-1) for Linear, Replicate() for ids).
         self.input_layouts = _single_layout(input_layouts, "input_layouts", "RowwiseParallel")
         self.output_layouts = _single_layout(output_layouts, "output_layouts", "RowwiseParallel") or Replicate()
         self.use_local_output = use_local_output
+        self.overlap = _flag(overlap, "overlap", "RowwiseParallel")
+        if self.overlap:
+            _overlap.check_overlap_layout(self.output_layouts, "output_layouts", "RowwiseParallel", "reduce-scatter")
 
     def param_placements(self, module):
         return rules.rowwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
         rules.check_rowwise(module, device_mesh, module_path)
+        if self.overlap:
+            _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.rowwise(
@@ -201,6 +239,7 @@ class RowwiseParallel(ParallelStyle):
             input_layouts=self.input_layouts,
             output_layouts=self.output_layouts,
             use_local_output=self.use_local_output,
+            overlap=self.overlap,
             src_data_rank=src_data_rank,
             module_path=module_path,
         )

@@ -13,7 +13,8 @@ a broadcast dim ``scale`` is left whole; transposing transposes both. A freshly 
 weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``.
 
 The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
-``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints), each
+``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints) and
+``_ops_overlap.py`` (the fused ops of :mod:`torch_tp.overlap` with int8 weights), each
 registered on :attr:`Int8SymmetricTensor.implements`. An op that is not implemented raises
 ``NotImplementedError`` naming the op: nothing silently falls back to float.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_tp.quant import _registry
 from torch_tp.quant._primitives import dequantize_per_row, quantize_per_row
 from torch_tp.quant._torchao import import_torchao
 
@@ -60,6 +62,20 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         super().__init__()
         self.qdata = qdata
         self.scale = scale
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _registry.register(cls)
+
+    def __tensor_flatten__(self):
+        """``(["qdata", "scale"], context)``; the context names this tensor's registered class."""
+        return list(self.tensor_data_names), {"dtype": self.dtype, "class": _registry.class_key(type(self))}
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
+        """Rebuild from :meth:`__tensor_flatten__`'s output; only torch_tp's registered classes."""
+        target = _registry.registered_class(context["class"], Int8SymmetricTensor)
+        return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"])
 
     @classmethod
     def from_hp(cls, weight: torch.Tensor) -> "Int8SymmetricTensor":
@@ -123,10 +139,11 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         )
 
 
+_registry.register(Int8SymmetricTensor)
 implements = Int8SymmetricTensor.implements
 implements_torch_function = Int8SymmetricTensor.implements_torch_function
 
 # The op tables register themselves on import.
-from torch_tp.quant import _ops_checkpoint, _ops_collective, _ops_matmul, _ops_shape  # noqa: E402,F401
+from torch_tp.quant import _ops_checkpoint, _ops_collective, _ops_matmul, _ops_overlap, _ops_shape  # noqa: E402,F401
 
 torch.serialization.add_safe_globals([Int8SymmetricTensor])

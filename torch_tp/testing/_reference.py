@@ -52,7 +52,7 @@ def assert_params_and_grads_match(
 ) -> None:
     """Assert every parameter (if ``params``) and gradient of ``module`` equals ``reference``'s.
 
-    Parameters are paired by name order; DTensors are compared as full tensors.
+    Parameters are paired by name order; DTensors (on either side) are compared as full tensors.
 
     Example::
 
@@ -65,9 +65,9 @@ def assert_params_and_grads_match(
         assert name == ref_name, f"parameter order differs: {name} vs {ref_name}"
         if params:
             torch.testing.assert_close(
-                full_tensor(param), ref_param, rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}"
+                full_tensor(param), full_tensor(ref_param), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}"
             )
         torch.testing.assert_close(
-            full_tensor(param.grad), ref_param.grad, rtol=rtol, atol=atol,
+            full_tensor(param.grad), full_tensor(ref_param.grad), rtol=rtol, atol=atol,
             msg=lambda m: f"{prefix}grad of {name}: {m}",
         )

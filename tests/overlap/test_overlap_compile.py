@@ -1,0 +1,103 @@
+"""``torch.compile(fullgraph=True)`` of the TP + SP Llama-style model, with and without overlap.
+
+Four variants (float32 / int8 weights x ``overlap`` off / on), each compiled with the
+``aot_eager`` and ``inductor`` CPU backends on 2 gloo ranks. Compiled forward output and
+every gradient after backward must equal eager's (1e-5), and ``torch._dynamo.explain``
+must see one graph and no graph break (``fullgraph=True`` would also fail on a break). The fused ops appear in the graphs as single
+``torch_tp`` custom-op nodes (checked on the ``aot_eager`` forward and backward graphs).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+
+from torch_tp import parallelize_module
+from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
+from torch_tp.testing import assert_params_and_grads_match, run_on_ranks, tp_mesh
+
+ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
+TOL = dict(rtol=1e-5, atol=1e-5)
+# torch's own import of inductor warns about torch.jit.script_method; nothing to act on here
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def _model(quantized, overlap):
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    if quantized:
+        from torch_tp.quant import quantize_module_weight
+
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                quantize_module_weight(module)
+    return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=overlap))
+
+
+def _loss(model, tokens, targets):
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def _recording(graphs):
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def _custom_op_nodes(graphs):
+    return sorted(
+        str(node.target) for gm in graphs for node in gm.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("torch_tp.")
+    )
+
+
+def _compiled_matches_eager(quantized, overlap, backend):
+    torch._dynamo.reset()
+    eager = _model(quantized, overlap)
+    compiled_model = copy.deepcopy(eager)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    targets = torch.randint(0, ARGS.vocab_size, (2, 8))
+    graphs = []
+    compiler = _recording(graphs) if backend == "aot_eager" else backend
+    # No AOTAutograd cache (its key does not cover this library's op code); one compile thread
+    # (no compile-worker subprocesses left in the reused rank workers).
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(compile_threads=1):
+        compiled = torch.compile(compiled_model, backend=compiler, fullgraph=True)
+        loss = _loss(compiled, tokens, targets)
+        loss.backward()
+    want = _loss(eager, tokens, targets)
+    want.backward()
+    torch.testing.assert_close(loss, want, **TOL)
+    assert_params_and_grads_match(compiled_model, eager, **TOL, params=False, what=backend)
+
+    if backend == "aot_eager":  # dynamo's capture does not depend on the backend: check it once
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(eager)(tokens)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert explained.graph_count == 1
+    return _custom_op_nodes(graphs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(backend, quantized, overlap):
+    nodes = run_on_ranks(_compiled_matches_eager, 2, quantized, overlap, backend)[0]
+    if backend != "aot_eager":
+        return
+    if not overlap:
+        assert nodes == []
+        return
+    # forward: 6 fused gathers (wq, wk, wv, w1, w3, output) and 2 fused reduce-scatters (wo, w2);
+    # backward: the input gradient of each is the other op
+    gathers = "torch_tp.all_gather_int8_matmul.default" if quantized else "torch_tp.all_gather_matmul.default"
+    scatters = "torch_tp.int8_matmul_reduce_scatter.default" if quantized else "torch_tp.matmul_reduce_scatter.default"
+    assert nodes.count(gathers) >= 6 and nodes.count(scatters) >= 2, nodes

@@ -1,0 +1,98 @@
+"""Smoke test of ``benchmarks/overlap.py --quick``: it runs and prints one table per op.
+
+Times are machine noise here and are not asserted. What is checked: both tables have every
+(world, shape) row, every time is positive, and the ``ideal`` column is
+``max(comm, compute) / (comm + compute)`` of the printed ``comm ms`` / ``compute ms``
+(up to their rounding), which always lies in ``[0.5, 1]``; likewise ``ring ideal``, which
+lies between ``ideal`` and 1. (The script itself checks fused == unfused before timing and
+exits non-zero if they differ.)
+"""
+
+import itertools
+import os
+import pathlib
+import subprocess
+import sys
+from functools import partial
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+COLUMNS = ["world", "shape", "MiB sent", "unfused ms", "fused ms", "fused/unfused",
+           "comm ms", "compute ms", "ideal", "ring ideal"]
+OPS = ("AG+MM", "MM+RS")
+QUICK_SHAPES = {"B1 S1024 K512 N128", "B2 S1024 K512 N256"}
+TIME_COLUMNS = ("unfused ms", "fused ms", "comm ms", "compute ms")
+
+
+def _tables(text: str) -> dict[str, list[dict[str, str]]]:
+    """Every Markdown table in ``text`` under its ``### <op>`` heading, as {column: cell} rows."""
+    tables, heading, block = {}, None, []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("### "):
+            heading = line[4:].strip()
+        elif line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            header, _separator, *rows = block
+            tables[heading] = [dict(zip(header, row)) | {"__header__": header} for row in rows]
+            block = []
+    return tables
+
+
+def _rounded_range(f, *cells: str) -> tuple[float, float]:
+    """Least and greatest ``f(*values)`` over the values that round to the printed ``cells``.
+
+    ``f`` must be monotonic in each argument (``max / sum`` and ``a / b`` are, for positive
+    values), so the corners of the rounding box bound it.
+    """
+    bounds = []
+    for cell in cells:
+        half = 0.5 * 10 ** -len(cell.split(".")[1])
+        bounds.append((float(cell) - half, float(cell) + half))
+    values = [f(*corner) for corner in itertools.product(*bounds)]
+    return min(values), max(values)
+
+
+def _ideal(comm: float, compute: float) -> float:
+    return max(comm, compute) / (comm + compute)
+
+
+def _ring_ideal(world: int, comm: float, compute: float) -> float:
+    steps = world - 1
+    return (steps * max(comm / steps, compute / world) + compute / world) / (comm + compute)
+
+
+def _ratio(fused: float, unfused: float) -> float:
+    return fused / unfused
+
+
+def _agrees(printed: str, f, *cells: str) -> bool:
+    """``printed`` (2 decimals) is ``f`` of the printed ``cells``, up to everyone's rounding."""
+    low, high = _rounded_range(f, *cells)
+    return low - 0.005 <= float(printed) <= high + 0.005
+
+
+def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/overlap.py", "--quick"],
+        capture_output=True, text=True, cwd=ROOT, timeout=150, env=env, check=False,
+    )
+    out = done.stdout
+    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    assert "check_shapes=False" in out, out
+    tables = _tables(out)
+    assert set(tables) == set(OPS), out
+    for op in OPS:
+        rows = tables[op]
+        assert rows and rows[0]["__header__"] == COLUMNS, (op, out)
+        assert {(int(r["world"]), r["shape"]) for r in rows} == {(w, s) for w in (2, 4) for s in QUICK_SHAPES}, out
+        for row in rows:
+            for column in TIME_COLUMNS:
+                assert float(row[column]) > 0, (op, row, out)
+            assert float(row["MiB sent"]) > 0, (op, row, out)
+            assert _agrees(row["ideal"], _ideal, row["comm ms"], row["compute ms"]), (op, row, out)
+            ring = partial(_ring_ideal, int(row["world"]))
+            assert _agrees(row["ring ideal"], ring, row["comm ms"], row["compute ms"]), (op, row, out)
+            assert 0.5 <= float(row["ideal"]) <= float(row["ring ideal"]) <= 1, (op, row, out)
+            assert _agrees(row["fused/unfused"], _ratio, row["fused ms"], row["unfused ms"]), (op, row, out)

@@ -1,0 +1,118 @@
+"""The fused overlap ops (:mod:`torch_tp.overlap`) with ``Int8SymmetricTensor`` right operands.
+
+``torch.ops.torch_tp.all_gather_matmul`` / ``matmul_reduce_scatter`` called with int8
+weights reach this table through ``__torch_dispatch__`` and run as two plain-tensor custom
+ops that take the int8 ``qdata`` and float32 ``scale`` separately, so the weight stays int8
+while the ring multiplies chunk by chunk:
+
+``torch_tp::all_gather_int8_matmul(Tensor a_shard, Tensor[] qdatas, Tensor[] scales, SymInt gather_dim, str group_name) -> (Tensor, Tensor[])``
+``torch_tp::int8_matmul_reduce_scatter(Tensor a, Tensor qdata, Tensor scale, SymInt scatter_dim, str group_name, str reduce_op) -> Tensor``
+
+Autograd stays with the float ops above ``__torch_dispatch__``: their backward calls the
+fused ops again with ``b.t()`` (still int8; scales then lie along the summed dim, which
+:func:`_quantized_matmul` folds into the activations). Quantized weights get no gradient.
+Under ``torch.compile`` the subclass is flattened and these ops appear as single nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_tp.overlap import _custom_ops as fused
+from torch_tp.quant._ops_matmul import _quantized_matmul
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
+
+__all__: list[str] = []
+
+
+def _int8_chunk_matmul(qdatas: list[Tensor], scales: list[Tensor], dtype: torch.dtype):
+    """``rows -> [rows @ (q * s) for each weight]``, preparing each int8 matrix once per call."""
+    prepared = []
+    for qdata, scale in zip(qdatas, scales):
+        if scale.shape[0] == 1:  # per output column: the int8 kernel consumes qdata as is
+            prepared.append((qdata, scale))
+        else:  # per summed row: converted once here, not once per chunk
+            prepared.append((qdata.to(dtype), scale))
+
+    def chunk_matmul(rows: Tensor) -> list[Tensor]:
+        out = []
+        for qdata, scale in prepared:
+            if qdata.dtype == torch.int8:
+                out.append(_quantized_matmul(rows, qdata, scale))
+            else:
+                out.append(torch.mm(rows * scale.reshape(1, -1).to(rows.dtype), qdata))
+        return out
+
+    return chunk_matmul
+
+
+def _check_int8_operands(qdatas: list[Tensor], scales: list[Tensor], a: Tensor, op: str) -> None:
+    for qdata, scale in zip(qdatas, scales, strict=True):
+        if qdata.dtype != torch.int8 or qdata.ndim != 2 or qdata.shape[0] != a.shape[-1]:
+            raise ValueError(f"{op}: expected int8 (K={a.shape[-1]}, N) data, got {qdata.dtype} {tuple(qdata.shape)}")
+        if scale.ndim != 2 or not (scale.shape[0] == 1 or scale.shape[1] == 1):
+            raise ValueError(f"{op}: expected a (1, N) or (K, 1) scale, got {tuple(scale.shape)}")
+
+
+@torch.library.custom_op("torch_tp::all_gather_int8_matmul", mutates_args=())
+def _all_gather_int8_matmul(
+    a_shard: Tensor, qdatas: list[Tensor], scales: list[Tensor], gather_dim: int, group_name: str
+) -> tuple[Tensor, list[Tensor]]:
+    _check_int8_operands(qdatas, scales, a_shard, "all_gather_int8_matmul")
+    chunk_matmul = _int8_chunk_matmul(qdatas, scales, a_shard.dtype)
+    return fused.run_all_gather_matmul(a_shard, chunk_matmul, gather_dim, group_name)
+
+
+@_all_gather_int8_matmul.register_fake
+def _all_gather_int8_matmul_fake(a_shard, qdatas, scales, gather_dim, group_name):
+    shape = fused.gathered_shape(a_shard, gather_dim, fused.group_size(group_name))
+    return a_shard.new_empty(shape), [a_shard.new_empty([*shape[:-1], q.shape[-1]]) for q in qdatas]
+
+
+@torch.library.custom_op("torch_tp::int8_matmul_reduce_scatter", mutates_args=())
+def _int8_matmul_reduce_scatter(
+    a: Tensor, qdata: Tensor, scale: Tensor, scatter_dim: int, group_name: str, reduce_op: str
+) -> Tensor:
+    _check_int8_operands([qdata], [scale], a, "int8_matmul_reduce_scatter")
+    chunk_matmul = _int8_chunk_matmul([qdata], [scale], a.dtype)
+    return fused.run_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
+
+
+@_int8_matmul_reduce_scatter.register_fake
+def _int8_matmul_reduce_scatter_fake(a, qdata, scale, scatter_dim, group_name, reduce_op):
+    world = fused.group_size(group_name)
+    return a.new_empty(fused.scattered_shape(a, qdata.shape[-1], scatter_dim, world))
+
+
+def _require_int8_weights(a: Tensor, bs: list[Tensor], op: str) -> None:
+    if isinstance(a, Int8SymmetricTensor):
+        raise NotImplementedError(f"{op} with an int8 input (left operand): only weights are quantized")
+    if not all(isinstance(b, Int8SymmetricTensor) for b in bs):
+        kinds = [type(b).__name__ for b in bs]
+        raise NotImplementedError(
+            f"{op} got a mix of int8 and float matrices {kinds}: quantize all of them or none"
+        )
+
+
+def _arguments(schema_op, args, kwargs) -> list:
+    names = [argument.name for argument in schema_op._schema.arguments]
+    return [*args, *(kwargs[name] for name in names[len(args):])]
+
+
+@implements(torch.ops.torch_tp.all_gather_matmul.default)
+def _int8_all_gather_matmul(func, types, args, kwargs):
+    a_shard, bs, gather_dim, group_name = _arguments(func, args, kwargs)
+    _require_int8_weights(a_shard, bs, "all_gather_matmul")
+    fused.check_all_gather_matmul(a_shard, bs, gather_dim)
+    return torch.ops.torch_tp.all_gather_int8_matmul(
+        a_shard, [b.qdata for b in bs], [b.scale for b in bs], gather_dim, group_name
+    )
+
+
+@implements(torch.ops.torch_tp.matmul_reduce_scatter.default)
+def _int8_matmul_reduce_scatter_dispatch(func, types, args, kwargs):
+    a, b, scatter_dim, group_name, reduce_op = _arguments(func, args, kwargs)
+    _require_int8_weights(a, [b], "matmul_reduce_scatter")
+    fused.check_matmul_reduce_scatter(a, b, scatter_dim, fused.group_size(group_name), reduce_op)
+    return torch.ops.torch_tp.int8_matmul_reduce_scatter(a, b.qdata, b.scale, scatter_dim, group_name, reduce_op)
