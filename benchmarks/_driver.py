@@ -7,6 +7,7 @@ ranks, or the ranks ``torchrun`` made) and returns those rows.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 from torch_tp.launch import launch, launched_by_torchrun
 
-__all__ = ["run_world", "run_worlds", "progress", "markdown_table"]
+__all__ = ["benchmark_arguments", "finish_arguments", "run_world", "run_worlds", "progress", "markdown_table"]
 
 
 def run_world(rank_main: Callable[[Any], None], nproc: int, config: Any) -> list[dict]:
@@ -68,3 +69,40 @@ def run_worlds(rank_main: Callable[[Any], None], config: Any, world_sizes: str, 
     if rows:
         progress(f"total {time.perf_counter() - start:.1f} s")
     return rows
+
+
+def benchmark_arguments(
+    prog: str,
+    description: str,
+    *,
+    iters: tuple[int, int],
+    warmup: tuple[int, int],
+    what: str,
+    quick: str,
+    min_iters: int = 1,
+) -> argparse.ArgumentParser:
+    """The options every benchmark script takes: ``--iters``, ``--quick``, ``--world-sizes``.
+
+    ``iters`` and ``warmup`` are ``(full, quick)`` defaults; :func:`finish_arguments` fills
+    them in after parsing. A script adds its own options to the returned parser.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--iters", type=int, default=None,
+                        help=f"timed rounds per {what} (default {iters[0]}; {iters[1]} with --quick)")
+    parser.add_argument("--quick", action="store_true", help=f"{quick} (smoke test)")
+    parser.add_argument("--world-sizes", default="2,4",
+                        help="comma-separated world sizes to spawn (default 2,4; ignored under torchrun)")
+    parser.set_defaults(_iters=iters, _warmup=warmup, _min_iters=min_iters)
+    return parser
+
+
+def finish_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` and fill in ``iters`` and ``warmup`` from the ``--quick`` choice."""
+    options = parser.parse_args(argv)
+    index = 1 if options.quick else 0
+    if options.iters is None:
+        options.iters = options._iters[index]
+    if options.iters < options._min_iters:
+        parser.error(f"--iters must be at least {options._min_iters}")
+    options.warmup = options._warmup[index]
+    return options

@@ -84,7 +84,7 @@ from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_para
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import markdown_table, run_worlds  # noqa: E402
+from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
 from _measure import local_parameter_bytes, measure_collectives, measure_hook_cpu, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -418,22 +418,14 @@ def format_report(rows: list[dict], options: argparse.Namespace, sizes: tuple[st
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python3 benchmarks/compare_upstream.py", description=__doc__.splitlines()[0]
+    parser = benchmark_arguments(
+        "python3 benchmarks/compare_upstream.py", __doc__.splitlines()[0],
+        iters=(40, 8), warmup=(5, 2), what="block size", quick="tiny size only, few rounds",
+        min_iters=2,  # quartiles need two samples
     )
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed rounds per block size (default 40; 8 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="tiny size only, few rounds (smoke test)")
-    parser.add_argument("--world-sizes", default="2,4",
-                        help="comma-separated world sizes to spawn (default 2,4; ignored under torchrun)")
     parser.add_argument("--hook-breakdown", action="store_true",
                         help="also print forward-hook CPU time by style (torch_tp vs upstream-same)")
-    options = parser.parse_args(argv)
-    if options.iters is None:
-        options.iters = 8 if options.quick else 40
-    if options.iters < 2:
-        parser.error("--iters must be at least 2 (quartiles need two samples)")
-    options.warmup = 2 if options.quick else 5
+    options = finish_arguments(parser, argv)
     options.hook_rounds = max(2, options.iters // 4)
     return options
 

@@ -87,7 +87,7 @@ from torch_tp.overlap import (
 
 # _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import markdown_table, run_worlds
+from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -253,21 +253,11 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 benchmarks/overlap.py",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed rounds per shape (default 30; 6 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="2 shapes, few rounds (smoke test)")
-    parser.add_argument("--world-sizes", default="2,4",
-                        help="comma-separated world sizes to spawn (default 2,4; ignored under torchrun)")
-    options = parser.parse_args(argv)
-    if options.iters is None:
-        options.iters = 6 if options.quick else 30
-    if options.iters < 1:
-        parser.error("--iters must be at least 1")
-    options.warmup = 1 if options.quick else 3
-    return options
+    parser = benchmark_arguments(
+        "python3 benchmarks/overlap.py", __doc__.splitlines()[0],
+        iters=(30, 6), warmup=(3, 1), what="shape", quick="2 shapes, few rounds",
+    )
+    return finish_arguments(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> None:

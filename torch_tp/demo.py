@@ -1,6 +1,7 @@
 """The main job: a Llama-style model, built on ``meta``, trained with tensor + sequence parallelism.
 
-``python -m torch_tp.demo`` spawns 2 CPU ranks with gloo (``--nproc N`` for more). Under
+``python -m torch_tp.demo`` spawns 2 CPU ranks with gloo (``--nproc N`` for more;
+``--overlap`` fuses the sequence-parallel collectives into the matmuls). Under
 ``torchrun`` it uses the launcher's ranks, with NCCL when CUDA is available::
 
     torchrun --nproc-per-node 2 -m torch_tp.demo
@@ -38,7 +39,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn (ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--no-sequence-parallel", action="store_true", help="plain tensor parallelism")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--overlap", action="store_true",
+        help="fuse the sequence-parallel all-gathers/reduce-scatters into the matmuls (torch_tp.overlap)",
+    )
+    options = parser.parse_args(argv)
+    if options.overlap and options.no_sequence_parallel:
+        parser.error("--overlap fuses the sequence-parallel collectives; drop --no-sequence-parallel")
+    return options
 
 
 def _model_args(world: int) -> ModelArgs:
@@ -83,14 +91,19 @@ def _train(model, batches, *, show_progress: bool) -> list[float]:
 def _collectives_of_one_step(model, batch) -> str:
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from torch_tp.testing import record_p2p
+
     tokens, targets = batch
-    with CommDebugMode() as mode, warnings.catch_warnings():
+    with CommDebugMode() as mode, record_p2p() as p2p, warnings.catch_warnings():
         # CommDebugMode's module tracker installs full backward hooks, which warn when
         # the module inputs (token ids) need no grad; harmless here.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
     model.zero_grad()
     counts = {getattr(op, "__name__", str(op)).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    sends = sum(1 for kind, _, _ in p2p if kind == "send")
+    if sends:  # the fused ops' ring steps (torch_tp.overlap)
+        counts["P2P sends (fused ops)"] = sends
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
 
 
@@ -113,9 +126,11 @@ def _run(options: argparse.Namespace) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     sequence_parallel = not options.no_sequence_parallel
-    plan = tensor_parallel_plan(sequence_parallel=sequence_parallel)
+    plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, overlap=options.overlap)
     args = _model_args(world)
     mode = "tensor + sequence parallel" if sequence_parallel else "tensor parallel"
+    if options.overlap:
+        mode += ", overlapped (fused all-gather+matmul, matmul+reduce-scatter)"
     say(f"torch_tp demo: {world} ranks ({dist.get_backend()}), {mode}, {options.steps} steps\n")
 
     with torch.device("meta"):
