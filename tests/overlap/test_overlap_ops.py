@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torch_tp import overlap
-from torch_tp.testing import rank, record_p2p, run_on_ranks, sent_bytes, tp_mesh, world_sizes
+from torch_tp.testing import mesh_2x2, rank, record_p2p, run_on_ranks, sent_bytes, tp_mesh, world_sizes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 N_OUTS = (5, 7, 3)
@@ -88,6 +88,60 @@ def test_matmul_reduce_scatter_equals_matmul_then_reduce_scatter(world_size, sca
     for r, (records, out_bytes) in enumerate(results):
         sends = [(peer, nbytes) for kind, peer, nbytes in records if kind == "send"]
         assert sends == [((r - 1) % world_size, out_bytes)] * (world_size - 1)
+
+
+def _sub_mesh_case():
+    tp = mesh_2x2()["tp"]  # rows {0, 1} and {2, 3}
+    row = dist.get_process_group_ranks(tp.get_group())
+    torch.manual_seed(dist.get_rank() // 2)  # one full tensor per row
+    full, b = torch.randn(2, 4, 8), torch.randn(8, 3)
+    shard = full.chunk(2, 1)[tp.get_local_rank()].clone()
+    with record_p2p() as records:
+        gathered, (y,) = overlap.all_gather_matmul(shard, [b], 1, tp)
+        scattered = overlap.matmul_reduce_scatter(y, torch.randn(3, 5), 1, tp)
+    torch.testing.assert_close(gathered, full, rtol=0, atol=0)
+    torch.testing.assert_close(y, full @ b, **TOL)
+    assert scattered.shape == (2, 2, 5)
+    return {peer for _, peer, _ in records} <= set(row) - {dist.get_rank()}
+
+
+def test_the_ring_runs_over_one_dim_of_a_2x2_mesh_and_talks_only_within_its_row():
+    assert run_on_ranks(_sub_mesh_case, 4) == [True] * 4
+
+
+def _single_rank_case():
+    x, b = torch.randn(2, 3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    gathered, (y,) = overlap.all_gather_matmul(x, [b], 1, tp_mesh())
+    z = overlap.matmul_reduce_scatter(y, b.t(), 0, tp_mesh(), "avg")
+    z.sum().backward()
+    torch.testing.assert_close(z, x @ b @ b.t(), **TOL)
+    return torch.equal(gathered, x)
+
+
+def test_one_rank_is_a_plain_matmul():
+    assert run_on_ranks(_single_rank_case, 1) == [True]
+
+
+def _bfloat16_case():
+    mesh = tp_mesh()
+    torch.manual_seed(0)
+    full = torch.randn(2, 4 * mesh.size(), 16, dtype=torch.bfloat16)
+    b = torch.randn(16, 8, dtype=torch.bfloat16)
+    shard = full.chunk(mesh.size(), 1)[rank()]
+    _, (y,) = overlap.all_gather_matmul(shard, [b], 1, mesh)
+    _, (want,) = overlap.all_gather_then_matmul(shard, [b], 1, mesh)
+    z = overlap.matmul_reduce_scatter(y, b.t(), 1, mesh)
+    z_want = overlap.matmul_then_reduce_scatter(want, b.t(), 1, mesh)
+    assert y.dtype == z.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=0, atol=0)  # no sum across ranks: the same products
+    # the partial sums are added in a different order (ring vs gloo's reduce-scatter)
+    torch.testing.assert_close(z, z_want, rtol=1.6e-2, atol=1e-2)
+    return True
+
+
+@world_sizes(2, 4)
+def test_bfloat16_inputs_stay_bfloat16(world_size):
+    assert all(run_on_ranks(_bfloat16_case, world_size))
 
 
 def _unused_output_case():
