@@ -177,10 +177,6 @@ def _all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
             scattered = funcol.reduce_scatter_single(grad_gathered, "sum", ctx.gather_dim, ctx.group_name)
             scattered = funcol.wait_tensor(scattered)
             grad_a = scattered if grad_a is None else grad_a + scattered
-        if grad_a is None:  # no output was used: a zero gradient, shaped like the shard
-            shape = list(gathered.shape)
-            shape[ctx.gather_dim] //= group_size(ctx.group_name)
-            grad_a = gathered.new_zeros(shape)
     grad_bs = [
         _rows(gathered).t() @ _rows(g) if need and g is not None else None
         for need, g in zip(needs_bs, grad_outs)

@@ -33,6 +33,10 @@ class UnsupportedModuleError(TypeError, NotImplementedError):
 APPLIED_ATTR = "_torch_tp_applied"
 
 
+#: What a style that converts its module's first positional input says about it.
+TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
+
+
 def describe(module: nn.Module, module_path: str | None) -> str:
     """``"'layers.0.attention.wq' (Linear)"``, or ``"a Linear module"`` without a path."""
     kind = type(module).__name__

@@ -98,8 +98,7 @@ def _keep_dtensor_input(device_mesh, input_layout, module_path, module, args):
     if not args:
         raise TypeError(f"ColwiseParallel on {_checks.describe(module, module_path)} got no input")
     x = _checks.require_tensor_input(
-        args[0], "0", module, module_path, "ColwiseParallel",
-        "this style converts the module's first positional input, which must be a tensor",
+        args[0], "0", module, module_path, "ColwiseParallel", _checks.TENSOR_INPUT_FIX
     )
     if isinstance(x, DTensor):
         return None

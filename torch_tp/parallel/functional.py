@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 _BOTH = BOTH_STAGES
-_TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
+_TENSOR_INPUT_FIX = _checks.TENSOR_INPUT_FIX
 
 
 # ------------------------------------------------------------------- colwise / rowwise

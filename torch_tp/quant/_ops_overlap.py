@@ -27,24 +27,16 @@ __all__: list[str] = []
 
 
 def _int8_chunk_matmul(qdatas: list[Tensor], scales: list[Tensor], dtype: torch.dtype):
-    """``rows -> [rows @ (q * s) for each weight]``, preparing each int8 matrix once per call."""
-    prepared = []
-    for qdata, scale in zip(qdatas, scales):
-        if scale.shape[0] == 1:  # per output column: the int8 kernel consumes qdata as is
-            prepared.append((qdata, scale))
-        else:  # per summed row: converted once here, not once per chunk
-            prepared.append((qdata.to(dtype), scale))
+    """``rows -> [rows @ (q * s) for each weight]``, preparing each int8 matrix once per call.
 
-    def chunk_matmul(rows: Tensor) -> list[Tensor]:
-        out = []
-        for qdata, scale in prepared:
-            if qdata.dtype == torch.int8:
-                out.append(_quantized_matmul(rows, qdata, scale))
-            else:
-                out.append(torch.mm(rows * scale.reshape(1, -1).to(rows.dtype), qdata))
-        return out
-
-    return chunk_matmul
+    Scales per output column keep ``qdata`` int8 (the int8 kernel reads it). Scales per
+    summed row make :func:`_quantized_matmul` convert ``qdata`` to ``dtype``: that is done
+    once here rather than once per chunk (its conversion of a float matrix is a no-op).
+    """
+    prepared = [
+        (qdata if scale.shape[0] == 1 else qdata.to(dtype), scale) for qdata, scale in zip(qdatas, scales)
+    ]
+    return lambda rows: [_quantized_matmul(rows, qdata, scale) for qdata, scale in prepared]
 
 
 def _check_int8_operands(qdatas: list[Tensor], scales: list[Tensor], a: Tensor, op: str) -> None:
