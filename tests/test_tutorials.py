@@ -43,11 +43,12 @@ def test_main_job_with_overlap_trains_like_one_process_with_fused_collectives():
     out = _run("-m", "torch_tp.demo", "--overlap", "--steps", "5")
     assert "tensor + sequence parallel, overlapped (fused all-gather+matmul, matmul+reduce-scatter)" in out
     assert "loss curve matches the single-process run" in out, out
-    # 15 fused ops forward (2 layers x 7 Linears, and the output head) and 15 backward, one
-    # ring step each at 2 ranks. Collectives left: the embedding's reduce-scatter and its
-    # backward all-gather, and the all-gather of the logits to Replicate() (unfused: 11 + 10)
+    # 9 fused ops forward (per layer: one gather shared by wq/wk/wv, one by w1/w3, and the wo
+    # and w2 reduce-scatters; and the output head) and 9 backward, one ring step each at 2
+    # ranks. Collectives left: the embedding's reduce-scatter and its backward all-gather,
+    # and the all-gather of the logits to Replicate() (unfused: 11 + 10)
     assert (
-        "collectives per training step (forward + backward): 30 P2P sends (fused ops), "
+        "collectives per training step (forward + backward): 18 P2P sends (fused ops), "
         "2 all_gather_into_tensor, 1 reduce_scatter_tensor"
     ) in out, out
 

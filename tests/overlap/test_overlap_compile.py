@@ -3,7 +3,8 @@
 Four variants (float32 / int8 weights x ``overlap`` off / on), each compiled with the
 ``aot_eager`` and ``inductor`` CPU backends on 2 gloo ranks. Compiled forward output and
 every gradient after backward must equal eager's (1e-5), and ``torch._dynamo.explain``
-must see one graph and no graph break (``fullgraph=True`` would also fail on a break). The fused ops appear in the graphs as single
+must see one graph and no graph break (``fullgraph=True`` would also fail on a break).
+The compiled model runs as many P2P ring steps as eager, forward and backward. The fused ops appear in the graphs as single
 ``torch_tp`` custom-op nodes (checked on the ``aot_eager`` forward and backward graphs).
 """
 
@@ -17,10 +18,11 @@ import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torch_tp import parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import assert_params_and_grads_match, run_on_ranks, tp_mesh
+from torch_tp.testing import assert_params_and_grads_match, record_p2p, run_on_ranks, tp_mesh
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -44,12 +46,23 @@ def _loss(model, tokens, targets):
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
+def _loss_and_backward_counting_sends(model, tokens, targets):
+    """The loss, and the P2P sends of the forward and of the backward (the fused ops' ring steps)."""
+    with record_p2p() as forward:
+        loss = _loss(model, tokens, targets)
+    with record_p2p() as backward:
+        loss.backward()
+    return loss, tuple(sum(kind == "send" for kind, _, _ in records) for records in (forward, backward))
+
+
 def _recording(graphs):
+    """``aot_eager`` (same partitioner) that also keeps the forward and backward graphs."""
+
     def keep(gm, example_inputs):
         graphs.append(gm)
         return gm
 
-    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
 
 
 def _custom_op_nodes(graphs):
@@ -71,12 +84,12 @@ def _compiled_matches_eager(quantized, overlap, backend):
     # (no compile-worker subprocesses left in the reused rank workers).
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(compile_threads=1):
         compiled = torch.compile(compiled_model, backend=compiler, fullgraph=True)
-        loss = _loss(compiled, tokens, targets)
-        loss.backward()
-    want = _loss(eager, tokens, targets)
-    want.backward()
+        loss, compiled_sends = _loss_and_backward_counting_sends(compiled, tokens, targets)
+    want, eager_sends = _loss_and_backward_counting_sends(eager, tokens, targets)
     torch.testing.assert_close(loss, want, **TOL)
     assert_params_and_grads_match(compiled_model, eager, **TOL, params=False, what=backend)
+    # the compiled graphs run the fused ops' ring steps that eager runs: none added, none lost
+    assert compiled_sends == eager_sends, (compiled_sends, eager_sends)
 
     if backend == "aot_eager":  # dynamo's capture does not depend on the backend: check it once
         torch._dynamo.reset()
@@ -96,8 +109,12 @@ def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(backend, quantiz
     if not overlap:
         assert nodes == []
         return
-    # forward: 6 fused gathers (wq, wk, wv, w1, w3, output) and 2 fused reduce-scatters (wo, w2);
-    # backward: the input gradient of each is the other op
+    # forward: 3 fused gathers (wq/wk/wv shared, w1/w3 shared, the output head) and 2 fused
+    # reduce-scatters (wo, w2); backward: each reduce-scatter's input gradient is a fused
+    # gather (2), each gather's a fused reduce-scatter: one per op for float weights (the
+    # siblings' gradients are concatenated), one per weight for int8 (6)
     gathers = "torch_tp.all_gather_int8_matmul.default" if quantized else "torch_tp.all_gather_matmul.default"
     scatters = "torch_tp.int8_matmul_reduce_scatter.default" if quantized else "torch_tp.matmul_reduce_scatter.default"
-    assert nodes.count(gathers) >= 6 and nodes.count(scatters) >= 2, nodes
+    assert nodes.count(gathers) == 3 + 2, nodes
+    assert nodes.count(scatters) == 2 + (6 if quantized else 3), nodes
+    assert len(nodes) == nodes.count(gathers) + nodes.count(scatters), nodes

@@ -7,6 +7,7 @@ and misuse must fail with errors that name the module.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -96,16 +97,48 @@ def _collectives_of_one_block_forward():
     model = Transformer(ARGS)
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=True))
     h = torch.randn(2, 8 // tp_mesh().size(), ARGS.dim)
-    with CommDebugMode() as mode, record_p2p() as records:
+    with record_p2p() as records, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no sibling falls back to its own gather
+        model.layers[0](h, model.rope)
+    # CommDebugMode's full backward hooks wrap every module input in a new tensor, so the
+    # siblings no longer see one input object: they each gather (and say so)
+    with CommDebugMode() as mode, pytest.warns(UserWarning, match="not all called on the same input"):
         model.layers[0](h, model.rope)
     return comm_counts(mode), len([r for r in records if r[0] == "send"])
 
 
-def test_an_overlapped_block_issues_p2p_steps_instead_of_collectives():
+def test_an_overlapped_block_shares_gathers_and_issues_no_collectives():
     counts, sends = run_on_ranks(_collectives_of_one_block_forward, 2)[0]
-    # wq, wk, wv, w1, w3 gather and wo, w2 reduce-scatter by P2P: one step each at world size 2
+    # one fused gather for wq/wk/wv, one for w1/w3, and the wo, w2 reduce-scatters: one P2P step each
+    assert sends == 4
     assert counts == {}, counts
-    assert sends == 7
+
+
+def _siblings_on_different_inputs():
+    torch.manual_seed(0)
+    mesh = tp_mesh()
+    reference = nn.ModuleDict({"q": nn.Linear(8, 6), "k": nn.Linear(8, 6)})
+    fused = copy.deepcopy(reference)
+    parallelize_module(fused, mesh, {"[qk]": ColwiseParallel(input_layouts=Shard(0), overlap=True)})
+    x, memory = torch.randn(4 * mesh.size(), 8), torch.randn(4 * mesh.size(), 8)  # e.g. cross-attention
+    local_x, local_memory = local_chunk(x, 0), local_chunk(memory, 0)
+    with record_p2p() as shared, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, k = fused["q"](local_x), fused["k"](local_x)  # one plain tensor: one gather
+    with record_p2p() as separate, pytest.warns(UserWarning, match=r"under '' share one fused all-gather"):
+        q2, k2 = fused["q"](local_x), fused["k"](local_memory)
+    torch.testing.assert_close(q2, local_chunk(reference["q"](x), 1), **TOL)
+    torch.testing.assert_close(k2, local_chunk(reference["k"](memory), 1), **TOL)
+    torch.testing.assert_close(q, local_chunk(reference["q"](x), 1), **TOL)
+    torch.testing.assert_close(k, local_chunk(reference["k"](x), 1), **TOL)
+    return len(shared), len(separate)
+
+
+def test_siblings_share_a_gather_on_one_input_and_stay_correct_on_two():
+    for shared, separate in run_on_ranks(_siblings_on_different_inputs, 2):
+        # P2P ops (a send and a receive per ring step, one step at world size 2): one fused
+        # gather for q and k on the same input; on different inputs k gathers again
+        assert (shared, separate) == (2, 4)
 
 
 # ------------------------------------------------------------------ single layers

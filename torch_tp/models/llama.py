@@ -241,9 +241,10 @@ def block_tensor_parallel_plan(
 
     ``overlap=True`` (with ``sequence_parallel=True``) fuses each Colwise layer's input
     all-gather and each Rowwise layer's reduce-scatter into its matmul
-    (``ColwiseParallel(overlap=True)``, ``RowwiseParallel(overlap=True)``). Each of
-    wq/wk/wv (w1/w3) then gathers the block input itself: more bytes on the wire than the
-    shared all-gather of the unfused plan, but every transfer overlaps a matmul.
+    (``ColwiseParallel(overlap=True)``, ``RowwiseParallel(overlap=True)``). wq/wk/wv
+    (w1/w3) read one input, so they share one fused all-gather (see
+    ``docs/overlap.md``): the same bytes as the unfused plan,
+    every transfer overlapping a matmul.
 
     Example::
 
@@ -256,7 +257,8 @@ def block_tensor_parallel_plan(
     between = Shard(1) if sequence_parallel else Replicate()
     # Unfused: one DTensor input per module, gathered once: wq/wk/wv (w1/w3) share it, so
     # their input grads are summed as partial sums and reduced by a single collective.
-    # Fused: the input stays sequence-sharded and each Colwise layer gathers it in its matmul.
+    # Fused: the input stays sequence-sharded; the sibling Colwise layers gather it in one
+    # fused op, and their input grads are reduce-scattered in one fused op.
     block_input = between if overlap else Replicate()
     colwise = styles.ColwiseParallel(input_layouts=between, overlap=True) if overlap else styles.ColwiseParallel()
     fused = dict(overlap=True) if overlap else {}

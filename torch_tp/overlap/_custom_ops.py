@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torch_tp.overlap._ring import ring_all_gather_matmul, ring_matmul_reduce_scatter
@@ -157,7 +158,9 @@ def _rows(t: Tensor) -> Tensor:
 
 def _sum_of_products_reduce_scattered(terms, scatter_dim: int, group_name: str) -> Tensor:
     """``reduce_scatter(sum_i g_i @ b_i)`` with as few fused calls as the operands allow."""
-    if len(terms) > 1 and all(type(b) is Tensor for _, b in terms):
+    # plain (or fake/functional, while tracing) matrices concatenate; tensor subclasses such as
+    # Int8SymmetricTensor hold separately scaled pieces that cannot be joined
+    if len(terms) > 1 and not any(is_traceable_wrapper_subclass(b) for _, b in terms):
         g = torch.cat([g for g, _ in terms], dim=-1)
         b = torch.cat([b for _, b in terms], dim=0)
         terms = [(g, b)]

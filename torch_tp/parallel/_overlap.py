@@ -16,6 +16,7 @@ calls in place of the class's.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import torch
@@ -30,7 +31,9 @@ from torch_tp.parallel import _checks
 from torch_tp.parallel._layouts import redistribute_to, to_dtensor
 
 __all__ = [
+    "SharedGather",
     "check_overlap_layout",
+    "link_shared_gathers",
     "install_colwise_overlap",
     "install_rowwise_overlap",
     "require_overlap_module",
@@ -77,6 +80,86 @@ def _leading_dim(layout: Shard, x: DTensor, style: str, module, module_path) -> 
 # ------------------------------------------------------------------ colwise
 
 
+def _fused_colwise_outputs(layers: list[nn.Linear], x: DTensor, dim: int, group_name: str) -> list[DTensor]:
+    """Each layer's output on ``x`` (sharded on ``dim``), from one fused all-gather + matmul."""
+    weights = [layer.weight.to_local() for layer in layers]
+    _, ys = torch.ops.torch_tp.all_gather_matmul(x.to_local(), [w.t() for w in weights], dim, group_name)
+    outputs = []
+    for layer, y in zip(layers, ys):
+        if layer.bias is not None:
+            y = y + layer.bias.to_local()
+        outputs.append(to_dtensor(y, x.device_mesh, Shard(x.ndim - 1), sharded_dim_size=layer.out_features))
+    return outputs
+
+
+class SharedGather:
+    """Sibling ``ColwiseParallel(overlap=True)`` layers that read one input share one fused all-gather.
+
+    ``parallelize_module`` links the overlapped Colwise children of one module that have the
+    same mesh, input layout and weight type (wq/wk/wv, w1/w3). The first of them called on a DTensor
+    computes every member's output with one ``all_gather_matmul`` (``bs`` = all their
+    weights); a member later called on the *same* DTensor object takes its output from
+    there. So the input is gathered once, as in the unfused plan, and the backward
+    reduce-scatters the members' input gradients in one fused call too.
+
+    A member called on another tensor (or before its siblings' outputs were all taken)
+    computes the group again: correct, but the earlier work for the members not yet served
+    was wasted, so it warns. Give layers that read different inputs ``overlap=False``
+    or different parents.
+    """
+
+    def __init__(self, members: list[nn.Linear], where: str):
+        self.members = members
+        self.where = where
+        self.key: DTensor | None = None
+        self.pending: list[DTensor | None] | None = None
+        self.plain_input: torch.Tensor | None = None  # a plain input and the DTensor made of it
+
+    def annotate(self, x: torch.Tensor, device_mesh: DeviceMesh, layout: Shard) -> DTensor:
+        """``x`` as a DTensor with ``layout``; the same DTensor for the same plain ``x`` within a round."""
+        if self.pending is not None and self.plain_input is x:
+            return self.key
+        self.plain_input = x
+        return DTensor.from_local(x, device_mesh, (layout,), run_check=False)
+
+    def output(self, index: int, x: DTensor, dim: int, group_name: str) -> DTensor:
+        """Member ``index``'s output on ``x``: computed for the whole group, or taken from it."""
+        if self.pending is None or self.key is not x or self.pending[index] is None:
+            if self.pending is not None:
+                self._warn_recomputed()
+            self.key, self.pending = x, _fused_colwise_outputs(self.members, x, dim, group_name)
+        output, self.pending[index] = self.pending[index], None
+        if all(p is None for p in self.pending):
+            self.key = self.pending = self.plain_input = None
+        return output
+
+    def _warn_recomputed(self) -> None:
+        warnings.warn(
+            f"torch_tp: the ColwiseParallel(overlap=True) layers under {self.where!r} share one "
+            f"fused all-gather, but were not all called on the same input tensor; it was "
+            f"computed again. Use overlap=False for layers that read different inputs",
+            stacklevel=3,
+        )
+
+
+def link_shared_gathers(root: nn.Module) -> list[SharedGather]:
+    """Group the overlapped Colwise children of each module of ``root`` (see :class:`SharedGather`)."""
+    groups = []
+    for path, parent in root.named_modules():
+        by_key: dict[tuple, list[nn.Linear]] = {}
+        for child in parent.children():
+            key = getattr(child, "_torch_tp_overlap_colwise", None)
+            if key is not None:
+                by_key.setdefault(key, []).append(child)
+        for members in by_key.values():
+            group = SharedGather(members, path) if len(members) > 1 else None
+            for index, member in enumerate(members):
+                member._torch_tp_shared_gather = None if group is None else (group, index)
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
 def _colwise_overlapped_forward(module, layout: Shard, group_name: str, module_path, x):
     if not isinstance(x, DTensor):
         raise TypeError(
@@ -87,11 +170,11 @@ def _colwise_overlapped_forward(module, layout: Shard, group_name: str, module_p
         return F.linear(x, module.weight, module.bias)
     dim = _leading_dim(layout, x, "ColwiseParallel", module, module_path)
     x = redistribute_to(x, Shard(dim))
-    weight = module.weight.to_local()
-    _, (y,) = torch.ops.torch_tp.all_gather_matmul(x.to_local(), [weight.t()], dim, group_name)
-    if module.bias is not None:
-        y = y + module.bias.to_local()
-    return to_dtensor(y, x.device_mesh, Shard(x.ndim - 1), sharded_dim_size=module.out_features)
+    shared = module._torch_tp_shared_gather
+    if shared is not None:
+        group, index = shared
+        return group.output(index, x, dim, group_name)
+    return _fused_colwise_outputs([module], x, dim, group_name)[0]
 
 
 def _keep_dtensor_input(device_mesh, input_layout, module_path, module, args):
@@ -102,6 +185,9 @@ def _keep_dtensor_input(device_mesh, input_layout, module_path, module, args):
     )
     if isinstance(x, DTensor):
         return None
+    shared = module._torch_tp_shared_gather
+    if shared is not None:  # siblings given the same plain tensor must see the same DTensor
+        return (shared[0].annotate(x, device_mesh, input_layout), *args[1:])
     return (DTensor.from_local(x, device_mesh, (input_layout,), run_check=False), *args[1:])
 
 
@@ -114,6 +200,9 @@ def install_colwise_overlap(module: nn.Linear, device_mesh: DeviceMesh, input_la
     module.register_forward_pre_hook(partial(_keep_dtensor_input, device_mesh, input_layout, module_path))
     group_name = device_mesh.get_group().group_name
     module.forward = partial(_colwise_overlapped_forward, module, input_layout, group_name, module_path)
+    # siblings with the same key may share one fused gather (link_shared_gathers)
+    module._torch_tp_overlap_colwise = (group_name, input_layout, type(module.weight.to_local()))
+    module._torch_tp_shared_gather = None
 
 
 # ------------------------------------------------------------------ rowwise

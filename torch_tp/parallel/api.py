@@ -8,7 +8,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamPar
 
 from torch.distributed.tensor import DTensor
 
-from torch_tp.parallel import _checks, functional
+from torch_tp.parallel import _checks, _overlap, functional
 from torch_tp.parallel._upstream import as_torch_tp_style
 from torch_tp.parallel.plan import PlanEntry, resolve_plan
 
@@ -109,6 +109,7 @@ def parallelize_module(
         _check_entry(module, entry, mesh)
     for entry in entries:
         _apply_entry(module, entry, mesh, src_data_rank)
+    _overlap.link_shared_gathers(module)
     if replicate_unplanned_params:
         _replicate_unplanned(module, mesh, src_data_rank)
     return module

@@ -124,7 +124,8 @@ class ColwiseParallel(ParallelStyle):
         overlap (bool): torch_tp only. For an ``nn.Linear`` with a sequence-sharded input
             (``input_layouts=Shard(1)``): fuse the input all-gather into the matmul, each
             chunk's transfer overlapping a matmul (:func:`torch_tp.overlap.all_gather_matmul`).
-            Default ``False``.
+            Overlapped siblings under one module called on the same input (wq/wk/wv) share
+            one fused gather. Default ``False``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
