@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torch_tp.overlap._ring import ring_all_gather_matmul, ring_matmul_reduce_scatter
@@ -156,15 +155,24 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _joined(terms) -> list[tuple[Tensor, Tensor]]:
+    """``[(cat g_i, cat b_i)]`` (one product for ``sum_i g_i @ b_i``), or ``terms`` as they are
+    when the ``b_i`` cannot be joined (e.g. int8 pieces scaled along the joined dim)."""
+    if len(terms) == 1:
+        return terms
+    try:
+        b = torch.cat([b for _, b in terms], dim=0)
+    except (ValueError, NotImplementedError):
+        return terms
+    return [(torch.cat([g for g, _ in terms], dim=-1), b)]
+
+
 def _sum_of_products_reduce_scattered(terms, scatter_dim: int, group_name: str) -> Tensor:
     """``reduce_scatter(sum_i g_i @ b_i)`` with as few fused calls as the operands allow."""
-    # plain (or fake/functional, while tracing) matrices concatenate; tensor subclasses such as
-    # Int8SymmetricTensor hold separately scaled pieces that cannot be joined
-    if len(terms) > 1 and not any(is_traceable_wrapper_subclass(b) for _, b in terms):
-        g = torch.cat([g for g, _ in terms], dim=-1)
-        b = torch.cat([b for _, b in terms], dim=0)
-        terms = [(g, b)]
-    parts = [torch.ops.torch_tp.matmul_reduce_scatter(g, b, scatter_dim, group_name, "sum") for g, b in terms]
+    parts = [
+        torch.ops.torch_tp.matmul_reduce_scatter(g, b, scatter_dim, group_name, "sum")
+        for g, b in _joined(terms)
+    ]
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
