@@ -68,7 +68,6 @@ import argparse
 import json
 import os
 import statistics
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -199,8 +198,6 @@ def measure(op: str, shape: Shape, group: str, config: Config) -> dict:
 def rank_main(config: Config) -> None:
     """Entry point on every rank: measure every op and shape, rank 0 writes the rows as JSON."""
     world = dist.get_world_size()
-    # the unfused references call funcol's *_tensor_autograd spellings: one warning per rank
-    warnings.filterwarnings("ignore", message=r".*_functional_collectives\..* is deprecated", category=FutureWarning)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     mesh = init_device_mesh(rank_device().type, (world,), mesh_dim_names=("tp",))["tp"]
     group = group_name_of(mesh)

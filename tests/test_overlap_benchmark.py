@@ -1,4 +1,6 @@
-"""Smoke test of ``benchmarks/overlap.py --quick``: it runs and prints one table per op.
+"""Smoke tests of ``benchmarks/overlap.py --quick`` and ``benchmarks/overlap_llama.py --quick``.
+
+``overlap.py`` prints one table per op.
 
 Times are machine noise here and are not asserted. What is checked: both tables have every
 (world, shape) row, every time is positive, and the ``ideal`` column is
@@ -72,14 +74,18 @@ def _agrees(printed: str, f, *cells: str) -> bool:
     return low - 0.005 <= float(printed) <= high + 0.005
 
 
-def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
+def _run_quick(script: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, "benchmarks/overlap.py", "--quick"],
+        [sys.executable, script, "--quick"],
         capture_output=True, text=True, cwd=ROOT, timeout=150, env=env, check=False,
     )
-    out = done.stdout
-    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
+    out = _run_quick("benchmarks/overlap.py")
     assert "check_shapes=False" in out, out
     tables = _tables(out)
     assert set(tables) == set(OPS), out
@@ -96,3 +102,18 @@ def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio(
             assert _agrees(row["ring ideal"], ring, row["comm ms"], row["compute ms"]), (op, row, out)
             assert 0.5 <= float(row["ideal"]) <= float(row["ring ideal"]) <= 1, (op, row, out)
             assert _agrees(row["fused/unfused"], _ratio, row["fused ms"], row["unfused ms"]), (op, row, out)
+
+
+def test_quick_llama_overlap_benchmark_times_both_variants_and_counts_their_communication():
+    out = _run_quick("benchmarks/overlap_llama.py")
+    rows = _tables(out)[None]
+    assert [int(r["world"]) for r in rows] == [2, 4], out
+    for row in rows:
+        world = int(row["world"])
+        assert float(row["unfused ms"]) > 0 and float(row["overlap ms"]) > 0, (row, out)
+        assert _agrees(row["overlap/unfused"], _ratio, row["overlap ms"], row["unfused ms"]), (row, out)
+        # one layer: 5 fused ops forward (2 shared gathers, 2 reduce-scatters, the head) and 5
+        # backward, world - 1 ring steps each; the fused plan keeps 3 collectives (the
+        # embedding's reduce-scatter and its backward all-gather, the logits' all-gather)
+        assert int(row["P2P steps"]) == 10 * (world - 1), (row, out)
+        assert row["collectives"] == "13 -> 3", (row, out)
