@@ -160,6 +160,31 @@ def test_an_unused_output_costs_nothing_in_the_backward():
         assert sent == 2 * 4 * 4 and unused_grad is None
 
 
+def _saved_shapes_case(b_requires_grad):
+    mesh = tp_mesh()
+    shard = torch.randn(2, 3, 8, requires_grad=True)
+    b = torch.randn(8, 5, requires_grad=b_requires_grad)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        gathered, (y,) = overlap.all_gather_matmul(shard, [b], 1, mesh)
+        overlap.matmul_reduce_scatter(y, torch.randn(5, 4, requires_grad=b_requires_grad), 1, mesh)
+    return saved, tuple(gathered.shape), tuple(y.shape)
+
+
+def test_frozen_weights_keep_no_activation_alive_for_the_backward():
+    frozen, gathered, y = run_on_ranks(_saved_shapes_case, 2, False)[0]
+    # only the matrices are kept (their transposes give the input gradients)
+    assert frozen == [(8, 5), (5, 4)], frozen
+    trainable, _, _ = run_on_ranks(_saved_shapes_case, 2, True)[0]
+    # trainable: the gathered input of the first op and the input of the second, for the weight gradients
+    assert sorted(trainable) == sorted([gathered, (8, 5), y, (5, 4)]), trainable
+
+
 # ------------------------------------------------------------------ errors
 
 

@@ -147,7 +147,8 @@ def _all_gather_matmul_setup(ctx, inputs, output):
     _, bs, gather_dim, group_name = inputs
     gathered, _ = output
     ctx.set_materialize_grads(False)  # unused outputs cost no collective in the backward
-    ctx.save_for_backward(gathered, *bs)
+    # the gathered input only serves weight gradients: frozen (e.g. int8) weights keep none alive
+    ctx.save_for_backward(gathered if any(b.requires_grad for b in bs) else None, *bs)
     ctx.gather_dim, ctx.group_name = gather_dim, group_name
 
 
@@ -157,7 +158,7 @@ def _rows(t: Tensor) -> Tensor:
 
 def _joined(terms) -> list[tuple[Tensor, Tensor]]:
     """``[(cat g_i, cat b_i)]`` (one product for ``sum_i g_i @ b_i``), or ``terms`` as they are
-    when the ``b_i`` cannot be joined (e.g. int8 pieces scaled along the joined dim)."""
+    when the ``b_i`` cannot be joined (e.g. int8 pieces whose scales differ along a shared dim)."""
     if len(terms) == 1:
         return terms
     try:
@@ -231,7 +232,7 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, reduce_op):
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
     a, b, scatter_dim, group_name, reduce_op = inputs
-    ctx.save_for_backward(a, b)
+    ctx.save_for_backward(a if b.requires_grad else None, b)  # a only serves b's gradient
     ctx.scatter_dim, ctx.group_name, ctx.reduce_op = scatter_dim, group_name, reduce_op
 
 
