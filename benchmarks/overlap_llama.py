@@ -27,19 +27,17 @@ import argparse
 import json
 import os
 import statistics
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp import parallelize_module
 from torch_tp.launch import rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import record_p2p
+from torch_tp.testing import communication_of
 
 from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds
 from _measure import time_interleaved
@@ -77,14 +75,8 @@ def _step(model, tokens, targets) -> torch.Tensor:
 
 def _communication(model, tokens, targets) -> tuple[int, int]:
     """(fused-op P2P sends, functional collectives) of one training step."""
-    with record_p2p() as p2p:
-        _step(model, tokens, targets)
-    # CommDebugMode's module hooks stop siblings sharing their gather (they warn); only the
-    # collectives are counted under it
-    with CommDebugMode() as mode, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _step(model, tokens, targets)
-    return sum(kind == "send" for kind, _, _ in p2p), mode.get_total_counts()
+    sends, counts = communication_of(lambda: _step(model, tokens, targets))
+    return sends, sum(counts.values())
 
 
 def rank_main(config: Config) -> None:

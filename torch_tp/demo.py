@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -89,9 +88,7 @@ def _train(model, batches, *, show_progress: bool) -> list[float]:
 
 
 def _collectives_of_one_step(model, batch) -> str:
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from torch_tp.testing import record_p2p
+    from torch_tp.testing import communication_of
 
     tokens, targets = batch
 
@@ -99,18 +96,8 @@ def _collectives_of_one_step(model, batch) -> str:
         F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
         model.zero_grad()
 
-    with record_p2p() as p2p:  # the fused ops' ring steps (torch_tp.overlap), on a plain step
-        step()
-    with CommDebugMode() as mode, warnings.catch_warnings():
-        # CommDebugMode's module tracker installs full backward hooks, which warn when the
-        # module inputs (token ids) need no grad, and give every module call its own input
-        # tensor, so overlapped siblings do not share their gather; harmless here.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        warnings.filterwarnings("ignore", message="torch_tp: the ColwiseParallel")
-        step()
-    counts = {getattr(op, "__name__", str(op)).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
-    sends = sum(1 for kind, _, _ in p2p if kind == "send")
-    if sends:
+    sends, counts = communication_of(step)
+    if sends:  # the fused ops' ring steps (torch_tp.overlap)
         counts["P2P sends (fused ops)"] = sends
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
 

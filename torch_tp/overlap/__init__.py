@@ -211,8 +211,7 @@ def matmul_then_reduce_scatter(
         >>> y = matmul_then_reduce_scatter(h, w2.t(), scatter_dim=1, group=mesh)
     """
     scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", "matmul_then_reduce_scatter")
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"matmul_then_reduce_scatter: reduce_op={reduce_op!r} is not supported; use one of {REDUCE_OPS}")
+    _custom_ops.check_reduce_op(reduce_op, "matmul_then_reduce_scatter")
     name = group_name_of(group)
     # "sum" then divide: the functional reduce-scatter has no backward for "avg"
     out = funcol.reduce_scatter_single_autograd(a @ b, "sum", scatter_dim, name)

@@ -36,6 +36,7 @@ __all__ = [
     "REDUCE_OPS",
     "check_all_gather_matmul",
     "check_matmul_reduce_scatter",
+    "check_reduce_op",
     "group_size",
     "resolve_group",
     "run_all_gather_matmul",
@@ -101,6 +102,11 @@ def check_matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, world: i
             f"{op}: dim {scatter_dim} of the input has size {a.shape[scatter_dim]}, which does not "
             f"split evenly over {world} ranks (uneven leading size); pad it to a multiple of {world}"
         )
+    check_reduce_op(reduce_op, op)
+
+
+def check_reduce_op(reduce_op: str, op: str) -> None:
+    """Raise ``ValueError`` unless ``reduce_op`` is one of :data:`REDUCE_OPS`."""
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"{op}: reduce_op={reduce_op!r} is not supported; use one of {REDUCE_OPS}")
 

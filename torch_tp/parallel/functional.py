@@ -133,12 +133,11 @@ def colwise(
         >>> model.w1.weight.placements
         (Shard(dim=0),)
     """
-    check_colwise(module, device_mesh, module_path)
+    check_colwise(module, device_mesh, module_path, overlap=overlap)
     input_layout = input_layouts or Replicate()
     output_layout = output_layouts or Shard(-1)
     if overlap:
         _overlap.check_overlap_layout(input_layout, "input_layouts", "ColwiseParallel", "all-gather")
-        _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
     _distribute_parameters(module, colwise_placements(module), device_mesh, src_data_rank)
     if overlap:
         _overlap.install_colwise_overlap(module, device_mesh, input_layout, module_path)
@@ -191,14 +190,13 @@ def rowwise(
         are never split on their last dim. (Upstream applies ``Shard(-1)`` to every module
         type, which concatenates the ranks' sequences.)
     """
-    check_rowwise(module, device_mesh, module_path)
+    check_rowwise(module, device_mesh, module_path, overlap=overlap)
     is_embedding = isinstance(module, nn.Embedding)
     desired = Replicate() if is_embedding else Shard(-1)
     input_layout = input_layouts or desired
     output_layout = output_layouts or Replicate()
     if overlap:
         _overlap.check_overlap_layout(output_layout, "output_layouts", "RowwiseParallel", "reduce-scatter")
-        _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
     _distribute_parameters(module, rowwise_placements(module), device_mesh, src_data_rank)
     if overlap:
         _overlap.install_rowwise_overlap(module, device_mesh, output_layout, module_path)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp.parallel import _checks
+from torch_tp.parallel import _checks, _overlap
 
 __all__ = [
     "check_colwise",
@@ -35,7 +35,9 @@ _SHARDABLE = (nn.Linear, nn.Embedding)
 # ---------------------------------------------------------------------------- checks
 
 
-def check_colwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+def check_colwise(
+    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, overlap: bool = False
+) -> None:
     """Raise if :func:`colwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     Example::
@@ -45,9 +47,13 @@ def check_colwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str |
         ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight ... smaller than the 4 ranks
     """
     _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True)
+    if overlap:
+        _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
 
 
-def check_rowwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
+def check_rowwise(
+    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, overlap: bool = False
+) -> None:
     """Raise if :func:`rowwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     Example::
@@ -57,6 +63,8 @@ def check_rowwise(module: nn.Module, device_mesh: DeviceMesh, module_path: str |
         TypeError: RowwiseParallel cannot shard 'norm' (LayerNorm): it handles nn.Linear or nn.Embedding...
     """
     _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False)
+    if overlap:
+        _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
 
 
 def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool) -> None:

@@ -164,9 +164,7 @@ class ColwiseParallel(ParallelStyle):
         return rules.colwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_colwise(module, device_mesh, module_path)
-        if self.overlap:
-            _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
+        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.colwise(
@@ -229,9 +227,7 @@ class RowwiseParallel(ParallelStyle):
         return rules.rowwise_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_rowwise(module, device_mesh, module_path)
-        if self.overlap:
-            _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
+        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         return functional.rowwise(
