@@ -9,6 +9,7 @@ Code written for ``torch.distributed.tensor.parallel`` works by changing the imp
 Importing torch_tp does not import torchao and changes no global PyTorch state.
 """
 
+from torch_tp.conv import SpatialParallel
 from torch_tp.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -17,7 +18,7 @@ from torch_tp.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
-    SpatialParallel,
+    UnsupportedModuleError,
     explain_plan,
     init_parameters,
     parallelize_module,
@@ -48,4 +49,5 @@ __all__ = [
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
+    "UnsupportedModuleError",
 ]

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch_tp.conv as tp_conv
 from torch_tp import SpatialParallel, parallelize_module
 from torch_tp.functional import spatial
-from torch_tp.parallel._checks import UnsupportedModuleError
+from torch_tp import UnsupportedModuleError
 from torch_tp.testing import (
     assert_params_and_grads_match,
     local_chunk,

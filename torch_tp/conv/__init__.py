@@ -6,6 +6,8 @@ border slices its outputs need from its neighbours (pure integer math), and
 with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each rank sends.
 :func:`install` / :func:`uninstall` / :func:`sharded_convolution` put DTensor handlers for
 ``aten.convolution`` and its backward in place that use them (see :mod:`torch_tp.conv.sharded_conv`).
+:class:`SpatialParallel` (and :func:`torch_tp.functional.spatial`) run whole convolution
+layers on spatial shards with them (:mod:`torch_tp.conv.spatial`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -27,9 +29,12 @@ from torch_tp.conv.sharded_conv import (
     sharded_convolution,
     uninstall,
 )
+from torch_tp.conv.spatial import SpatialParallel, check_spatial
 
 __all__ = [
     "ShardWindow",
+    "SpatialParallel",
+    "check_spatial",
     "conv_windows",
     "convolution_backward_handler",
     "convolution_handler",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
-from torch_tp.parallel._layouts import shard_bounds
+from torch_tp._layouts import shard_bounds
 
 __all__ = ["ShardWindow", "conv_windows", "resolve_padding"]
 

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.parallel import style as _torch_tp_styles
-from torch_tp.parallel.style import ParallelStyle
+import torch_tp.parallel as _torch_tp_styles
+from torch_tp.parallel import ParallelStyle
 
 __all__ = [
     "ModelArgs",

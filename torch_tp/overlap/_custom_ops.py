@@ -83,7 +83,15 @@ def _check_dim(a: Tensor, dim: int, argument: str, op: str) -> None:
 
 
 def check_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int) -> None:
-    """Raise ``ValueError``/``TypeError`` unless ``all_gather_matmul`` can take these arguments."""
+    """Raise ``ValueError``/``TypeError`` unless ``all_gather_matmul`` can take these arguments.
+
+    Example::
+
+        >>> check_all_gather_matmul(torch.ones(4, 8), [torch.ones(8, 2)], 0)
+        >>> check_all_gather_matmul(torch.ones(4, 8), [torch.ones(2, 8)], 0)
+        Traceback (most recent call last):
+        ValueError: all_gather_matmul: bs[0] has 2 rows but the input's last (contracted) dim is 8; ...
+    """
     op = "all_gather_matmul"
     _check_dim(a_shard, gather_dim, "gather_dim", op)
     if len(bs) == 0:
@@ -92,11 +100,22 @@ def check_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int) 
         _check_b(a_shard, b, f"bs[{i}]", op)
 
 
-def check_matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, world: int, reduce_op: str) -> None:
-    """Raise ``ValueError``/``TypeError`` unless ``matmul_reduce_scatter`` can take these arguments."""
+def check_matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str, reduce_op: str) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``matmul_reduce_scatter`` can take these arguments
+    over the process group registered as ``group_name``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), 0, group_name, "sum")
+        >>> check_matmul_reduce_scatter(torch.ones(3, 8), torch.ones(8, 2), 0, group_name, "sum")
+        Traceback (most recent call last):
+        ValueError: matmul_reduce_scatter: dim 0 of the input has size 3, which does not split evenly over 2 ranks ...
+    """
     op = "matmul_reduce_scatter"
     _check_dim(a, scatter_dim, "scatter_dim", op)
     _check_b(a, b, "b", op)
+    world = group_size(group_name)
     if a.shape[scatter_dim] % world:
         raise ValueError(
             f"{op}: dim {scatter_dim} of the input has size {a.shape[scatter_dim]}, which does not "
@@ -225,15 +244,14 @@ def scattered_shape(a: Tensor, n_out: int, scatter_dim: int, world: int) -> list
 
 @torch.library.custom_op("torch_tp::matmul_reduce_scatter", mutates_args=())
 def _matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str, reduce_op: str) -> Tensor:
-    check_matmul_reduce_scatter(a, b, scatter_dim, group_size(group_name), reduce_op)
+    check_matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
     return run_matmul_reduce_scatter(a, lambda rows: [torch.mm(rows, b)], scatter_dim, group_name, reduce_op)
 
 
 @_matmul_reduce_scatter.register_fake
 def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, reduce_op):
-    world = group_size(group_name)
-    check_matmul_reduce_scatter(a, b, scatter_dim, world, reduce_op)
-    return a.new_empty(scattered_shape(a, b.shape[-1], scatter_dim, world))
+    check_matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
+    return a.new_empty(scattered_shape(a, b.shape[-1], scatter_dim, group_size(group_name)))
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):

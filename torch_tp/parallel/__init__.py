@@ -1,20 +1,19 @@
-"""Tensor parallelism over DTensor: styles, plans and ``parallelize_module``."""
+"""Tensor parallelism over DTensor: styles, plans and ``parallelize_module``.
 
-from torch_tp.parallel import functional
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> from torch_tp.parallel import ColwiseParallel, parallelize_module
+    >>> parallelize_module(model, mesh, {"*.w1": ColwiseParallel()})
+"""
+
 from torch_tp.parallel.api import parallelize_module
 from torch_tp.parallel.explain import ParamRow, PlanReport, explain_plan
 from torch_tp.parallel.init import init_parameters, module_seed
 from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
-from torch_tp.parallel.style import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    SpatialParallel,
-)
+from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+from torch_tp.parallel.rules import UnsupportedModuleError
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
     "parallelize_module",
@@ -27,12 +26,11 @@ __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
-    "SpatialParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
     "PlanEntry",
+    "UnsupportedModuleError",
     "match_pattern",
     "resolve_plan",
-    "functional",
 ]

@@ -2,7 +2,7 @@
 
 torch_tp's styles expose ``check`` (validate without changing anything), ``apply_to``
 (with ``src_data_rank`` and the module path as arguments) and ``param_placements``.
-Upstream styles only have ``_apply``. :func:`as_torch_tp_style` wraps them so that
+Upstream styles only have ``_apply``. :class:`UpstreamStyle` wraps them so that
 ``parallelize_module`` and ``explain_plan`` treat every style alike: upstream styles are
 checked up front too, and applied to a copy so the user's object is never changed.
 """
@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch.distributed.tensor.parallel import style as upstream
 
-from torch_tp.parallel import _checks, rules
-from torch_tp.parallel.style import ParallelStyle
+from torch_tp.parallel import rules
 
-__all__: list[str] = []
+__all__ = ["UpstreamStyle"]
 
-_BOTH = ("input", "output")
+_BOTH = rules.BOTH_STAGES
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class _Rule:
 _RULES: dict[type, _Rule] = {
     upstream.ColwiseParallel: _Rule(rules.check_colwise, _BOTH, rules.colwise_placements),
     upstream.RowwiseParallel: _Rule(rules.check_rowwise, _BOTH, rules.rowwise_placements),
-    upstream.SequenceParallel: _Rule(None, _BOTH, rules.sequence_parallel_placements),
+    upstream.SequenceParallel: _Rule(None, _BOTH, rules.replicated_placements),
     upstream.PrepareModuleInput: _Rule(rules.check_prepare_input, ("input",), None),
     upstream.PrepareModuleOutput: _Rule(rules.check_prepare_output, ("output",), None),
     upstream.PrepareModuleInputOutput: _Rule(None, _BOTH, None),
@@ -51,7 +50,7 @@ def _rule_for(style: upstream.ParallelStyle) -> _Rule:
     return _UNKNOWN
 
 
-class _UpstreamStyle:
+class UpstreamStyle:
     """An upstream style with torch_tp's ``check`` / ``apply_to`` / ``param_placements``."""
 
     def __init__(self, style: upstream.ParallelStyle):
@@ -60,8 +59,8 @@ class _UpstreamStyle:
         self.rule = _rule_for(style)
 
     def check(self, module: nn.Module, device_mesh, module_path: str | None = None) -> None:
-        _checks.require_1d_mesh(device_mesh, self.name)
-        _checks.require_unprepared(module, self.rule.stages, self.name, module_path)
+        rules.require_1d_mesh(device_mesh, self.name)
+        rules.require_unprepared(module, self.rule.stages, self.name, module_path)
         if self.rule.check is not None:
             self.rule.check(module, device_mesh, module_path)
 
@@ -71,14 +70,12 @@ class _UpstreamStyle:
         try:
             applied._apply(module, device_mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
-            raise type(err)(f"{_checks.describe(module, module_path)}: {err}") from err
-        _checks.mark_prepared(module, self.rule.stages, self.name)
+            raise type(err)(f"{rules.describe(module, module_path)}: {err}") from err
+        rules.mark_prepared(module, self.rule.stages, self.name)
         return module
 
     def param_placements(self, module: nn.Module) -> dict:
         return self.rule.placements(module) if self.rule.placements else {}
 
-
-def as_torch_tp_style(style: upstream.ParallelStyle) -> ParallelStyle | _UpstreamStyle:
-    """``style`` itself if it is torch_tp's, else an adapter with the same interface."""
-    return style if isinstance(style, ParallelStyle) else _UpstreamStyle(style)
+    def link_siblings(self, modules, where: str) -> None:
+        """Upstream styles share nothing between siblings."""

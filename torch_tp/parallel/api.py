@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
-from torch.distributed.tensor import DTensor
-
-from torch_tp.parallel import _checks, _overlap, functional
-from torch_tp.parallel._upstream import as_torch_tp_style
+from torch_tp.parallel import rules
+from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import PlanEntry, resolve_plan
+from torch_tp.parallel.style import ParallelStyle, replicate
 
 __all__ = ["parallelize_module"]
 
@@ -32,15 +32,13 @@ def _current_mesh() -> DeviceMesh:
     return mesh
 
 
-def _check_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh) -> None:
-    module = root.get_submodule(entry.path)
-    as_torch_tp_style(entry.style).check(module, mesh, entry.path)
-
-
-def _apply_entry(root: nn.Module, entry: PlanEntry, mesh: DeviceMesh, src_data_rank) -> None:
-    module = root.get_submodule(entry.path)
-    style = as_torch_tp_style(entry.style)
-    style.apply_to(module, mesh, src_data_rank=src_data_rank, module_path=entry.path)
+def _sibling_groups(entries: list[PlanEntry]) -> dict[tuple, list[int]]:
+    """Indices of the entries that one style gives to children of one parent (e.g. wq/wk/wv)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, entry in enumerate(entries):
+        parent = entry.path.rpartition(".")[0]
+        groups.setdefault((parent, entry.style), []).append(index)
+    return groups
 
 
 def parallelize_module(
@@ -70,7 +68,7 @@ def parallelize_module(
         replicate_unplanned_params (bool): also turn every parameter the plan leaves out
             (e.g. norms under plain TP) into a ``Replicate()`` DTensor, broadcast from
             ``src_data_rank``, and run its module on replicated inputs
-            (:func:`torch_tp.parallel.functional.replicate`). Then every parameter is a
+            (:func:`torch_tp.functional.replicate`). Then every parameter is a
             DTensor, so ``torch.nn.utils.clip_grad_norm_`` and optimizers work on the whole
             model instead of failing on mixed ``torch.Tensor`` and ``DTensor``. Default ``False``
             (upstream behaviour: such parameters stay plain tensors).
@@ -103,13 +101,16 @@ def parallelize_module(
             "{module path or pattern: ParallelStyle}"
         )
     mesh = device_mesh if device_mesh is not None else _current_mesh()
-    _checks.require_1d_mesh(mesh, "parallelize_module")
+    rules.require_1d_mesh(mesh, "parallelize_module")
     entries = resolve_plan(module, parallelize_plan)
-    for entry in entries:
-        _check_entry(module, entry, mesh)
-    for entry in entries:
-        _apply_entry(module, entry, mesh, src_data_rank)
-    _overlap.link_shared_gathers(module)
+    styles = [e.style if isinstance(e.style, ParallelStyle) else UpstreamStyle(e.style) for e in entries]
+    targets = [module.get_submodule(entry.path) for entry in entries]
+    for entry, style, target in zip(entries, styles, targets):
+        style.check(target, mesh, entry.path)
+    for entry, style, target in zip(entries, styles, targets):
+        style.apply_to(target, mesh, src_data_rank=src_data_rank, module_path=entry.path)
+    for (parent, _), indices in _sibling_groups(entries).items():
+        styles[indices[0]].link_siblings([targets[i] for i in indices], parent)
     if replicate_unplanned_params:
         _replicate_unplanned(module, mesh, src_data_rank)
     return module
@@ -119,4 +120,4 @@ def _replicate_unplanned(root: nn.Module, mesh: DeviceMesh, src_data_rank) -> No
     for path, module in root.named_modules():
         own = module.named_parameters(recurse=False)
         if any(not isinstance(param, DTensor) for _, param in own):
-            functional.replicate(module, mesh, src_data_rank=src_data_rank, module_path=path)
+            replicate(module, mesh, src_data_rank=src_data_rank, module_path=path)

@@ -17,10 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp.parallel import _checks
-from torch_tp.parallel._layouts import shard_sizes
-from torch_tp.parallel._upstream import as_torch_tp_style
+from torch_tp._layouts import shard_sizes
+from torch_tp.parallel import rules
+from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import resolve_plan
+from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]
 
@@ -156,7 +157,7 @@ def _check_note(style, module, mesh, path) -> str:
 
 def _rows_for_entry(root, entry, mesh, num_ranks) -> list[ParamRow]:
     module = root.get_submodule(entry.path)
-    style = as_torch_tp_style(entry.style)
+    style = entry.style if isinstance(entry.style, ParallelStyle) else UpstreamStyle(entry.style)
     style_name = type(entry.style).__name__
     note = _check_note(style, module, mesh, entry.path)
     placements = {} if note else style.param_placements(module)
@@ -198,8 +199,8 @@ def explain_plan(
         True
         >>> print(report)  # doctest: +SKIP
     """
-    _checks.require_1d_mesh(device_mesh, "explain_plan")
-    num_ranks = _checks.mesh_size(device_mesh)
+    rules.require_1d_mesh(device_mesh, "explain_plan")
+    num_ranks = rules.mesh_size(device_mesh)
     rows: list[ParamRow] = []
     covered: set[str] = set()
     for entry in resolve_plan(module, parallelize_plan):

@@ -1,83 +1,447 @@
-"""What each style accepts and where it puts parameters: the data behind the styles.
+"""Every rule of torch_tp's tensor-parallel styles, in one place: what a style accepts and where
+it puts parameters.
 
-``check_*`` functions raise (with the module path and the fix) when a style cannot be
-applied to a module, and change nothing; ``*_placements`` say where each parameter goes.
-:mod:`torch_tp.parallel.functional` applies them; :func:`torch_tp.explain_plan` only
-reads them, so the report and the real application cannot disagree.
+Three kinds of rule live here, each once:
+
+* **normalizers** (:func:`flag`, :func:`single_layout`, :func:`layout_tuple`,
+  :func:`paired_layouts`, :func:`kwarg_layouts`, :func:`overlap_layout`) turn a style's
+  keyword arguments into the values it stores, or raise. Style constructors call them, and
+  so do the function forms, because those build the style;
+* **checks** (``check_*`` and the ``require_*`` helpers they are made of) raise, with the
+  module path and the fix, when a style cannot be applied to a module, and change nothing.
+  ``parallelize_module`` runs them for every entry before it changes anything;
+* **placements** (``*_placements``) say where each parameter goes. Applying a style
+  distributes exactly these; :func:`torch_tp.explain_plan` only reads them, so the report
+  and the real application cannot disagree.
+
+Styles defined outside :mod:`torch_tp.parallel` (:class:`torch_tp.SpatialParallel`) build
+their own rules from the same helpers.
+
+Example::
+
+    >>> import torch.nn as nn
+    >>> colwise_placements(nn.Linear(4, 8))
+    {'weight': Shard(dim=0), 'bias': Shard(dim=0)}
+    >>> check_colwise(nn.Linear(4, 8), 4, "proj")     # a plain int stands for a 1-D mesh
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp.parallel import _checks, _overlap
-
 __all__ = [
+    "UnsupportedModuleError",
+    "BOTH_STAGES",
+    "describe",
+    "flag",
+    "single_layout",
+    "layout_tuple",
+    "paired_layouts",
+    "kwarg_layouts",
+    "overlap_layout",
+    "require_1d_mesh",
+    "require_tensor_input",
+    "require_unprepared",
+    "mark_prepared",
     "check_colwise",
     "check_rowwise",
     "check_sequence_parallel",
     "check_prepare_input",
     "check_prepare_output",
-    "check_spatial",
     "colwise_placements",
     "rowwise_placements",
-    "sequence_parallel_placements",
-    "spatial_placements",
+    "replicated_placements",
 ]
 
+
+class UnsupportedModuleError(TypeError, NotImplementedError):
+    """A style was given a module type it cannot handle.
+
+    It is a ``TypeError`` (the argument has the wrong type) and, for code written against
+    upstream, which raises ``NotImplementedError`` here, also a ``NotImplementedError``.
+
+    Example::
+
+        >>> issubclass(UnsupportedModuleError, NotImplementedError)
+        True
+    """
+
+
+#: The forward stages a style that converts both inputs and outputs claims.
 BOTH_STAGES = ("input", "output")
+
+# A module records which of its forward stages torch_tp has wired, so a second style
+# (or the same one twice) cannot stack conversions on top of each other.
+APPLIED_ATTR = "_torch_tp_applied"
+
+#: What a style that converts its module's first positional input says about it.
+TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
+
 _SHARDABLE = (nn.Linear, nn.Embedding)
+
+
+# ------------------------------------------------------------------------ generic helpers
+
+
+def describe(module: nn.Module, module_path: str | None) -> str:
+    """How error messages name a module: its path and type, or its type alone.
+
+    Example::
+
+        >>> describe(nn.Linear(2, 2), "layers.0.wq"), describe(nn.Linear(2, 2), None)
+        ("'layers.0.wq' (Linear)", 'a Linear module')
+    """
+    kind = type(module).__name__
+    if module_path is None:
+        return f"a {kind} module"
+    return f"{module_path or '<root>'!r} ({kind})"
+
+
+def mesh_size(device_mesh: DeviceMesh | int) -> int:
+    """Ranks along the (1-D) mesh; a plain int stands for a 1-D mesh of that size."""
+    return device_mesh if isinstance(device_mesh, int) else device_mesh.size()
+
+
+def require_1d_mesh(device_mesh: DeviceMesh | int, style: str) -> None:
+    """Tensor-parallel styles shard over one mesh axis; reject an N-D mesh with the fix.
+
+    A positive int is accepted as "a 1-D mesh of that many ranks" (plan checking and
+    :func:`torch_tp.explain_plan` work without a process group).
+
+    Example::
+
+        >>> require_1d_mesh(4, "ColwiseParallel")
+        >>> require_1d_mesh(0, "ColwiseParallel")
+        Traceback (most recent call last):
+        ValueError: ColwiseParallel: a mesh size must be at least 1, got 0
+    """
+    if isinstance(device_mesh, int) and not isinstance(device_mesh, bool):
+        if device_mesh < 1:
+            raise ValueError(f"{style}: a mesh size must be at least 1, got {device_mesh}")
+        return
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"{style} needs a DeviceMesh, got {type(device_mesh).__name__}")
+    if device_mesh.ndim != 1:
+        names = device_mesh.mesh_dim_names
+        hint = f'device_mesh["{names[-1]}"]' if names else "a 1-D sub-mesh (name the mesh dims)"
+        raise ValueError(
+            f"{style} shards over one mesh axis, but the mesh has {device_mesh.ndim} dims "
+            f"(shape {tuple(device_mesh.shape)}, names {names}); choose the tensor-parallel "
+            f"axis, e.g. pass {hint}"
+        )
+
+
+def require_tensor_input(
+    value: object,
+    position: str,
+    module: nn.Module,
+    module_path: str | None,
+    style: str,
+    fix: str = "use None as the layout for non-tensor inputs",
+) -> torch.Tensor:
+    """Return ``value`` if it is a tensor; a layout was given for it, so anything else raises.
+
+    Example::
+
+        >>> require_tensor_input(torch.ones(1), "0", nn.Identity(), "x", "SequenceParallel")
+        tensor([1.])
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(
+        f"{style} on {describe(module, module_path)} was given a layout for input "
+        f"{position}, but the module received {type(value).__name__} there; {fix}"
+    )
+
+
+def require_first_input(args: tuple, module: nn.Module, module_path: str | None, style: str) -> torch.Tensor:
+    """The module's first positional input, which a style converting it needs to be a tensor."""
+    if not args:
+        raise TypeError(f"{style} on {describe(module, module_path)} got no input")
+    return require_tensor_input(args[0], "0", module, module_path, style, TENSOR_INPUT_FIX)
+
+
+def require_unprepared(
+    module: nn.Module, stages: tuple[str, ...], style: str, module_path: str | None
+) -> None:
+    """Raise if torch_tp already converts ``module``'s inputs or outputs (``stages``).
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> mark_prepared(layer, ("input",), "PrepareModuleInput")
+        >>> require_unprepared(layer, ("output",), "PrepareModuleOutput", "layer")
+        >>> require_unprepared(layer, BOTH_STAGES, "ColwiseParallel", "layer")
+        Traceback (most recent call last):
+        ValueError: ColwiseParallel would convert the inputs of 'layer' (Linear), which PrepareModuleInput already converts; ...
+    """
+    applied = getattr(module, APPLIED_ATTR, {})
+    for stage in stages:
+        if stage in applied:
+            raise ValueError(
+                f"{style} would convert the {stage}s of {describe(module, module_path)}, "
+                f"which {applied[stage]} already converts; a module's {stage}s can be "
+                f"prepared once (use PrepareModuleInputOutput to prepare both sides)"
+            )
+
+
+def mark_prepared(module: nn.Module, stages: tuple[str, ...], style: str) -> None:
+    """Record that ``style`` now converts ``module``'s ``stages`` (``"input"``, ``"output"``).
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> mark_prepared(layer, BOTH_STAGES, "ColwiseParallel")
+        >>> is_prepared(layer)
+        True
+    """
+    applied = dict(getattr(module, APPLIED_ATTR, {}))
+    applied.update((stage, style) for stage in stages)
+    module.__dict__[APPLIED_ATTR] = applied
+
+
+def is_prepared(module: nn.Module) -> bool:
+    """Whether a torch_tp style already converts some forward stage of ``module``."""
+    return bool(getattr(module, APPLIED_ATTR, None))
+
+
+def _require_module_type(module: nn.Module, allowed: tuple[type, ...], style: str, module_path) -> None:
+    if isinstance(module, allowed):
+        return
+    names = " or ".join(f"nn.{t.__name__}" for t in allowed)
+    raise UnsupportedModuleError(
+        f"{style} cannot shard {describe(module, module_path)}: it handles {names}. "
+        f"Apply it to the Linear/Embedding submodules instead, or use PrepareModuleInput/"
+        f"PrepareModuleOutput on a container module"
+    )
+
+
+def require_plain_parameters(module: nn.Module, style: str, module_path: str | None) -> None:
+    """Raise if a parameter of ``module`` is already a DTensor: a module is parallelized once."""
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{style}: {describe(module, module_path)}.{name} is already a DTensor "
+                f"with placements {param.placements}; a module can be parallelized once"
+            )
+
+
+def _require_shardable(module: nn.Module, dim: int, num_ranks: int, style: str, module_path) -> None:
+    # Uneven shards are fine (10 rows on 4 ranks become 3, 3, 3, 1); a dim smaller than the
+    # mesh would leave ranks with nothing, which is always a plan mistake.
+    size = module.weight.shape[dim]
+    if size < num_ranks:
+        raise ValueError(
+            f"{style} cannot shard {describe(module, module_path)}.weight "
+            f"(shape {tuple(module.weight.shape)}) on dim {dim}: size {size} is smaller than the "
+            f"{num_ranks} ranks of the mesh, so some ranks would hold nothing. Leave this "
+            f"module out of the plan or use a smaller tensor-parallel mesh"
+        )
+
+
+def _require_only_weight_and_bias(module: nn.Module, style: str, module_path) -> None:
+    allowed = ("weight", "bias")
+    extra = [n for n, _ in module.named_parameters(recurse=False) if n not in allowed]
+    extra += [f"{n}.*" for n, child in module.named_children() if any(child.parameters())]
+    if extra:
+        raise TypeError(
+            f"{style} shards only {allowed} of {describe(module, module_path)}, which also "
+            f"has parameters {extra}; shard those explicitly or wrap them in a separate module"
+        )
+
+
+# ---------------------------------------------------------------------------- normalizers
+
+
+def flag(value: object, argument: str, style: str) -> bool:
+    """``value`` if it is a bool, else ``TypeError`` naming the argument.
+
+    Example::
+
+        >>> flag(True, "overlap", "ColwiseParallel")
+        True
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{style}({argument}=...) takes True or False, got {value!r}")
+    return value
+
+
+def single_layout(layout: object, argument: str, style: str, default: Placement | None) -> Placement | None:
+    """One ``Placement`` (or ``default`` for ``None``); anything else raises ``TypeError``.
+
+    Example::
+
+        >>> single_layout(None, "output_layouts", "ColwiseParallel", Shard(-1))
+        Shard(dim=-1)
+    """
+    if layout is None:
+        return default
+    if not isinstance(layout, Placement):
+        raise TypeError(f"{style}({argument}=...) takes one Placement such as Shard(1); got {layout!r}")
+    return layout
+
+
+def layout_tuple(layouts: object, argument: str) -> tuple[Placement | None, ...] | None:
+    """``layouts`` as a tuple with one entry per input or output, or ``None``.
+
+    A single :class:`Placement` means "one tensor"; otherwise a sequence of placements and
+    ``None`` placeholders (values to leave alone).
+
+    Example::
+
+        >>> layout_tuple(Shard(1), "input_layouts"), layout_tuple([Shard(1), None], "input_layouts")
+        ((Shard(dim=1),), (Shard(dim=1), None))
+    """
+    if layouts is None:
+        return None
+    if isinstance(layouts, Placement):
+        return (layouts,)
+    if isinstance(layouts, Sequence) and not isinstance(layouts, str):
+        layouts = tuple(layouts)
+        for layout in layouts:
+            if layout is not None and not isinstance(layout, Placement):
+                raise TypeError(
+                    f"{argument} entries must be Placements (Shard(d), Replicate(), ...) "
+                    f"or None placeholders; got {layout!r} in {layouts!r}"
+                )
+        return layouts
+    raise TypeError(f"{argument} must be a Placement or a tuple of Placements/None; got {layouts!r}")
+
+
+def paired_layouts(layouts: object, desired: object, names: tuple[str, str]) -> tuple[tuple | None, tuple | None]:
+    """Two :func:`layout_tuple` s that describe the same tensors: both or neither, equal lengths.
+
+    Example::
+
+        >>> paired_layouts(Shard(1), Replicate(), ("input_layouts", "desired_input_layouts"))
+        ((Shard(dim=1),), (Replicate(),))
+    """
+    layouts, desired = layout_tuple(layouts, names[0]), layout_tuple(desired, names[1])
+    if layouts is None and desired is None:
+        return None, None
+    if layouts is None or desired is None:
+        given, missing = names if desired is None else names[::-1]
+        raise ValueError(f"{given} is set but {missing} is not; pass both, one entry per tensor")
+    if len(layouts) != len(desired):
+        raise ValueError(
+            f"{names[0]} has {len(layouts)} entries but {names[1]} has {len(desired)}: "
+            f"they describe the same tensors and need the same length "
+            f"(use None for an entry to leave alone)"
+        )
+    return layouts, desired
+
+
+def kwarg_layouts(layouts: Mapping | None, desired: Mapping | None) -> tuple[dict, dict]:
+    """Keyword-input layouts as two dicts ``{name: Placement}``; every desired name is annotated.
+
+    Example::
+
+        >>> kwarg_layouts({"mask": Shard(0)}, {"mask": Replicate()})
+        ({'mask': Shard(dim=0)}, {'mask': Replicate()})
+    """
+    for name, mapping in (("input_kwarg_layouts", layouts), ("desired_input_kwarg_layouts", desired)):
+        for key, layout in (mapping or {}).items():
+            if not isinstance(key, str) or not isinstance(layout, Placement):
+                raise TypeError(f"{name} maps keyword names to Placements; got {key!r}: {layout!r}")
+    extra = set(desired or {}) - set(layouts or {})
+    if extra:
+        raise ValueError(
+            f"desired_input_kwarg_layouts names {sorted(extra)} that input_kwarg_layouts does "
+            f"not annotate; add their current layouts to input_kwarg_layouts"
+        )
+    return dict(layouts or {}), dict(desired or {})
+
+
+def overlap_layout(layout: Placement | None, argument: str, style: str, what: str) -> None:
+    """``overlap=True`` needs a sequence-sharded activation: ``Shard(d)`` on a leading dim.
+
+    Example::
+
+        >>> overlap_layout(Shard(1), "input_layouts", "ColwiseParallel", "all-gather")
+        >>> overlap_layout(Replicate(), "input_layouts", "ColwiseParallel", "all-gather")
+        Traceback (most recent call last):
+        ValueError: ColwiseParallel(overlap=True) fuses the all-gather of a sequence-sharded activation ...
+    """
+    if type(layout) is Shard and layout.dim != -1:
+        return
+    raise ValueError(
+        f"{style}(overlap=True) fuses the {what} of a sequence-sharded activation into the "
+        f"matmul, so it needs {argument}=Shard(d) on a leading dim (e.g. Shard(1), the "
+        f"sequence); got {argument}={layout!r}. Use overlap=False for other layouts"
+    )
+
+
+def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module, module_path) -> int:
+    """The activation dim an overlapped layer exchanges; it must be a leading dim split evenly."""
+    dim = layout.dim % x.ndim
+    if dim == x.ndim - 1:
+        raise ValueError(
+            f"{style}(overlap=True) on {describe(module, module_path)}: dim {layout.dim} of "
+            f"the {x.ndim}-D activation is its feature dim; shard a leading dim (the sequence)"
+        )
+    world = x.device_mesh.size()
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"{style}(overlap=True) on {describe(module, module_path)}: dim {dim} of the "
+            f"activation has size {x.shape[dim]}, which does not split evenly over {world} ranks; "
+            f"the fused ops exchange equal chunks. Pad it to a multiple of {world}, or use overlap=False"
+        )
+    return dim
 
 
 # ---------------------------------------------------------------------------- checks
 
 
 def check_colwise(
-    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, overlap: bool = False
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, overlap: bool = False
 ) -> None:
-    """Raise if :func:`colwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+    """Raise if ``ColwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     Example::
 
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> check_colwise(nn.Linear(16, 2), mesh_of_4, "proj")
-        ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight ... smaller than the 4 ranks
+        >>> check_colwise(nn.Linear(16, 2), 4, "proj")
+        Traceback (most recent call last):
+        ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight (shape (2, 16)) on dim 0: ...
     """
-    _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True)
-    if overlap:
-        _overlap.require_overlap_module(module, "ColwiseParallel", module_path)
+    _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap)
 
 
 def check_rowwise(
-    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, overlap: bool = False
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, overlap: bool = False
 ) -> None:
-    """Raise if :func:`rowwise` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+    """Raise if ``RowwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     Example::
 
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> check_rowwise(nn.LayerNorm(16), mesh, "norm")
-        TypeError: RowwiseParallel cannot shard 'norm' (LayerNorm): it handles nn.Linear or nn.Embedding...
+        >>> check_rowwise(nn.LayerNorm(16), 2, "norm")
+        Traceback (most recent call last):
+        torch_tp.parallel.rules.UnsupportedModuleError: RowwiseParallel cannot shard 'norm' (LayerNorm): ...
     """
-    _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False)
-    if overlap:
-        _overlap.require_overlap_module(module, "RowwiseParallel", module_path)
+    _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False, overlap=overlap)
 
 
-def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool) -> None:
-    _checks.require_1d_mesh(device_mesh, style)
-    _checks.require_module_type(module, _SHARDABLE, style, module_path)
-    _checks.require_only_params(module, ("weight", "bias"), style, module_path)
-    dim = _weight_shard_dim(module, colwise=colwise)
-    _checks.require_shardable(module, "weight", dim, _checks.mesh_size(device_mesh), style, module_path)
-    _checks.require_unprepared(module, BOTH_STAGES, style, module_path)
+def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool, overlap: bool) -> None:
+    require_1d_mesh(device_mesh, style)
+    _require_module_type(module, _SHARDABLE, style, module_path)
+    _require_only_weight_and_bias(module, style, module_path)
+    require_plain_parameters(module, style, module_path)
+    _require_shardable(module, _weight_shard_dim(module, colwise=colwise), mesh_size(device_mesh), style, module_path)
+    require_unprepared(module, BOTH_STAGES, style, module_path)
+    if overlap and not isinstance(module, nn.Linear):
+        raise UnsupportedModuleError(
+            f"{style}(overlap=True) cannot handle {describe(module, module_path)}: it fuses "
+            f"an nn.Linear's matmul with its communication; use overlap=False for this module"
+        )
 
 
 def check_sequence_parallel(
-    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None
 ) -> None:
     """Raise if ``module`` is not sequence-local (a norm, dropout, or elementwise module).
 
@@ -88,134 +452,52 @@ def check_sequence_parallel(
 
     Example::
 
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> check_sequence_parallel(nn.BatchNorm1d(8), mesh, "bn")
-        TypeError: SequenceParallel cannot run 'bn' (BatchNorm1d) on a sequence shard: ...
+        >>> check_sequence_parallel(nn.BatchNorm1d(8), 2, "bn")
+        Traceback (most recent call last):
+        torch_tp.parallel.rules.UnsupportedModuleError: SequenceParallel cannot run 'bn' (BatchNorm1d) on a sequence shard: ...
     """
     style = "SequenceParallel"
-    _checks.require_1d_mesh(device_mesh, style)
+    require_1d_mesh(device_mesh, style)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        raise _checks.UnsupportedModuleError(
-            f"{style} cannot run {_checks.describe(module, module_path)} on a sequence "
+        raise UnsupportedModuleError(
+            f"{style} cannot run {describe(module, module_path)} on a sequence "
             f"shard: batch statistics would be computed per shard"
         )
+    require_plain_parameters(module, style, module_path)
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"{style}: {_checks.describe(module, module_path)}.{name} is already a DTensor"
-            )
         if param.ndim > 1:
-            raise _checks.UnsupportedModuleError(
+            raise UnsupportedModuleError(
                 f"{style} replicates the parameters of norm/dropout-like modules, but "
-                f"{_checks.describe(module, module_path)}.{name} has shape {tuple(param.shape)}; "
+                f"{describe(module, module_path)}.{name} has shape {tuple(param.shape)}; "
                 f"shard it with ColwiseParallel/RowwiseParallel instead"
             )
-    _checks.require_unprepared(module, BOTH_STAGES, style, module_path)
+    require_unprepared(module, BOTH_STAGES, style, module_path)
 
 
-def check_prepare_input(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
-    """Raise if :func:`prepare_input` cannot be applied (N-D mesh, inputs already prepared).
-
-    Example::
-
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> prepare_input(block, mesh, input_layouts=Shard(1), desired_input_layouts=Replicate())
-        >>> check_prepare_input(block, mesh, "block")
-        ValueError: PrepareModuleInput would convert the inputs of 'block' (Block), which ...
-    """
-    _checks.require_1d_mesh(device_mesh, "PrepareModuleInput")
-    _checks.require_unprepared(module, ("input",), "PrepareModuleInput", module_path)
-
-
-def check_prepare_output(module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None) -> None:
-    """Raise if :func:`prepare_output` cannot be applied (N-D mesh, outputs already prepared).
+def check_prepare_input(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None) -> None:
+    """Raise if ``PrepareModuleInput`` cannot be applied (N-D mesh, inputs already prepared).
 
     Example::
 
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> check_prepare_output(model.norm, mesh_2d, "norm")
-        ValueError: PrepareModuleOutput shards over one mesh axis, but the mesh has 2 dims ...
+        >>> block = nn.Linear(2, 2)
+        >>> mark_prepared(block, ("input",), "PrepareModuleInput")
+        >>> check_prepare_input(block, 2, "block")
+        Traceback (most recent call last):
+        ValueError: PrepareModuleInput would convert the inputs of 'block' (Linear), which ...
     """
-    _checks.require_1d_mesh(device_mesh, "PrepareModuleOutput")
-    _checks.require_unprepared(module, ("output",), "PrepareModuleOutput", module_path)
+    require_1d_mesh(device_mesh, "PrepareModuleInput")
+    require_unprepared(module, ("input",), "PrepareModuleInput", module_path)
 
 
-# What SpatialParallel runs on a spatial shard: convolutions (halo exchange) and modules
-# that compute each position on its own. Pooling is refused: its windows cross shard
-# borders and there is no halo exchange for it.
-SPATIAL_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-SPATIAL_POINTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Dropout,
-)
-SPATIAL_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-
-def check_spatial(
-    module: nn.Module, device_mesh: DeviceMesh, module_path: str | None = None, *, dim: int = -1
-) -> None:
-    """Raise if :func:`spatial` cannot run ``module`` on an input sharded along tensor dim ``dim``.
-
-    Accepted: ``nn.Conv1d/2d/3d`` with ``padding_mode="zeros"`` (sharded along one of their
-    spatial dims), eval-mode ``nn.BatchNorm1d/2d/3d`` with running statistics, and
-    position-wise modules (``nn.ReLU``, ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with
-    ``p=0`` or in eval mode, ...). Refused: training-mode BatchNorm (its batch statistics
-    would be per shard), pooling and everything else.
+def check_prepare_output(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None) -> None:
+    """Raise if ``PrepareModuleOutput`` cannot be applied (N-D mesh, outputs already prepared).
 
     Example::
 
-        >>> check_spatial(nn.Conv2d(3, 8, 3, padding=1), 4, "stem", dim=3)
-        >>> try:
-        ...     check_spatial(nn.MaxPool2d(2), 4, "pool", dim=3)
-        ... except TypeError as err:
-        ...     print(type(err).__name__, str(err)[:50])
-        UnsupportedModuleError SpatialParallel cannot run 'pool' (MaxPool2d) on a
+        >>> check_prepare_output(nn.Linear(2, 2), 2, "norm")
     """
-    style = "SpatialParallel"
-    _checks.require_1d_mesh(device_mesh, style)
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"{style}(dim=...) takes an int (a tensor dim such as 3 or -1), got {dim!r}")
-    where = _checks.describe(module, module_path)
-    if isinstance(module, SPATIAL_CONVS):
-        ndim = module.weight.ndim  # = the batched input's ndim
-        if not -ndim <= dim < ndim or dim % ndim < 2:
-            raise ValueError(
-                f"{style}(dim={dim}) on {where}: dim must be a spatial dim of its {ndim}-D "
-                f"(N, C, ...) input, i.e. one of {list(range(2, ndim))} or "
-                f"{list(range(2 - ndim, 0))}"
-            )
-        if module.padding_mode != "zeros":
-            raise _checks.UnsupportedModuleError(
-                f"{style} cannot run {where} on a spatial shard: padding_mode="
-                f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
-            )
-    elif isinstance(module, SPATIAL_BATCHNORMS):
-        if module.training or not module.track_running_stats or module.running_mean is None:
-            raise _checks.UnsupportedModuleError(
-                f"{style} cannot run {where} in training mode (or without running "
-                f"statistics): its batch statistics would be computed per shard. Call "
-                f".eval() on it before parallelizing (it then normalizes with running stats)"
-            )
-    elif isinstance(module, SPATIAL_POINTWISE):
-        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
-            raise _checks.UnsupportedModuleError(
-                f"{style} cannot run {where} with p={module.p} in training mode: its mask "
-                f"would differ from the unsharded model's. Use p=0 or .eval()"
-            )
-    else:
-        names = ", ".join(
-            f"nn.{t.__name__}" for t in SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE
-        )
-        raise _checks.UnsupportedModuleError(
-            f"{style} cannot run {where} on a spatial shard: it handles {names} "
-            f"(BatchNorm in eval mode). Pooling windows cross shard borders; gather "
-            f"the input first (e.g. output_layouts=Replicate() on the module before)"
-        )
-    if isinstance(dim, int) and not isinstance(module, SPATIAL_CONVS) and 0 <= dim < 2:
-        raise ValueError(f"{style}(dim={dim}) on {where}: dims 0 and 1 are batch and channels")
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(f"{style}: {where}.{name} is already a DTensor")
-    _checks.require_unprepared(module, BOTH_STAGES, style, module_path)
+    require_1d_mesh(device_mesh, "PrepareModuleOutput")
+    require_unprepared(module, ("output",), "PrepareModuleOutput", module_path)
 
 
 # ---------------------------------------------------------------------- placements
@@ -231,7 +513,7 @@ def _weight_shard_dim(module: nn.Module, *, colwise: bool) -> int:
 
 
 def colwise_placements(module: nn.Module) -> dict[str, Placement]:
-    """Where :func:`colwise` puts each parameter of ``module`` (path relative to ``module``).
+    """Where ``ColwiseParallel`` puts each parameter of ``module`` (path relative to ``module``).
 
     Example::
 
@@ -247,7 +529,7 @@ def colwise_placements(module: nn.Module) -> dict[str, Placement]:
 
 
 def rowwise_placements(module: nn.Module) -> dict[str, Placement]:
-    """Where :func:`rowwise` puts each parameter of ``module`` (path relative to ``module``).
+    """Where ``RowwiseParallel`` puts each parameter of ``module`` (path relative to ``module``).
 
     Example::
 
@@ -260,23 +542,12 @@ def rowwise_placements(module: nn.Module) -> dict[str, Placement]:
     return placements
 
 
-def sequence_parallel_placements(module: nn.Module) -> dict[str, Placement]:
-    """Where :func:`sequence_parallel` puts each parameter: replicated, all of them.
+def replicated_placements(module: nn.Module) -> dict[str, Placement]:
+    """Every parameter of ``module`` replicated: ``SequenceParallel`` and ``SpatialParallel``.
 
     Example::
 
-        >>> sequence_parallel_placements(nn.LayerNorm(8))
-        {'weight': Replicate(), 'bias': Replicate()}
-    """
-    return {name: Replicate() for name, _ in module.named_parameters()}
-
-
-def spatial_placements(module: nn.Module) -> dict[str, Placement]:
-    """Where :func:`spatial` puts each parameter: replicated, all of them.
-
-    Example::
-
-        >>> spatial_placements(nn.Conv2d(3, 8, 3))
+        >>> replicated_placements(nn.LayerNorm(8))
         {'weight': Replicate(), 'bias': Replicate()}
     """
     return {name: Replicate() for name, _ in module.named_parameters()}

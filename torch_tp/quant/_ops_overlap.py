@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torch_tp.overlap import _custom_ops as fused
+from torch_tp import overlap
 from torch_tp.quant._ops_matmul import _quantized_matmul
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 
@@ -53,13 +53,17 @@ def _all_gather_int8_matmul(
 ) -> tuple[Tensor, list[Tensor]]:
     _check_int8_operands(qdatas, scales, a_shard, "all_gather_int8_matmul")
     chunk_matmul = _int8_chunk_matmul(qdatas, scales, a_shard.dtype)
-    return fused.run_all_gather_matmul(a_shard, chunk_matmul, gather_dim, group_name)
+    return overlap.ring_all_gather_matmul(a_shard, chunk_matmul, gather_dim, group_name)
+
+
+def _float_stand_ins(a: Tensor, qdatas: list[Tensor]) -> list[Tensor]:
+    return [q.new_empty(q.shape, dtype=a.dtype) for q in qdatas]
 
 
 @_all_gather_int8_matmul.register_fake
 def _all_gather_int8_matmul_fake(a_shard, qdatas, scales, gather_dim, group_name):
-    shape = fused.gathered_shape(a_shard, gather_dim, fused.group_size(group_name))
-    return a_shard.new_empty(shape), [a_shard.new_empty([*shape[:-1], q.shape[-1]]) for q in qdatas]
+    # the float op's fake gives the shapes (and checks them) for float weights of these shapes
+    return torch.ops.torch_tp.all_gather_matmul(a_shard, _float_stand_ins(a_shard, qdatas), gather_dim, group_name)
 
 
 @torch.library.custom_op("torch_tp::int8_matmul_reduce_scatter", mutates_args=())
@@ -68,13 +72,13 @@ def _int8_matmul_reduce_scatter(
 ) -> Tensor:
     _check_int8_operands([qdata], [scale], a, "int8_matmul_reduce_scatter")
     chunk_matmul = _int8_chunk_matmul([qdata], [scale], a.dtype)
-    return fused.run_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
+    return overlap.ring_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
 
 
 @_int8_matmul_reduce_scatter.register_fake
 def _int8_matmul_reduce_scatter_fake(a, qdata, scale, scatter_dim, group_name, reduce_op):
-    world = fused.group_size(group_name)
-    return a.new_empty(fused.scattered_shape(a, qdata.shape[-1], scatter_dim, world))
+    (b,) = _float_stand_ins(a, [qdata])
+    return torch.ops.torch_tp.matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
 
 
 def _require_int8_weights(a: Tensor, bs: list[Tensor], op: str) -> None:
@@ -96,7 +100,7 @@ def _arguments(schema_op, args, kwargs) -> list:
 def _int8_all_gather_matmul(func, types, args, kwargs):
     a_shard, bs, gather_dim, group_name = _arguments(func, args, kwargs)
     _require_int8_weights(a_shard, bs, "all_gather_matmul")
-    fused.check_all_gather_matmul(a_shard, bs, gather_dim)
+    overlap.check_all_gather_matmul(a_shard, bs, gather_dim)
     return torch.ops.torch_tp.all_gather_int8_matmul(
         a_shard, [b.qdata for b in bs], [b.scale for b in bs], gather_dim, group_name
     )
@@ -106,5 +110,5 @@ def _int8_all_gather_matmul(func, types, args, kwargs):
 def _int8_matmul_reduce_scatter_dispatch(func, types, args, kwargs):
     a, b, scatter_dim, group_name, reduce_op = _arguments(func, args, kwargs)
     _require_int8_weights(a, [b], "matmul_reduce_scatter")
-    fused.check_matmul_reduce_scatter(a, b, scatter_dim, fused.group_size(group_name), reduce_op)
+    overlap.check_matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
     return torch.ops.torch_tp.int8_matmul_reduce_scatter(a, b.qdata, b.scale, scatter_dim, group_name, reduce_op)

@@ -15,7 +15,7 @@ weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``.
 The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
 ``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints) and
 ``_ops_overlap.py`` (the fused ops of :mod:`torch_tp.overlap` with int8 weights), each
-registered on :attr:`Int8SymmetricTensor.implements`. An op that is not implemented raises
+registered on :attr:`Int8SymmetricTensor.implements` when :mod:`torch_tp.quant` loads them. An op that is not implemented raises
 ``NotImplementedError`` naming the op: nothing silently falls back to float.
 """
 
@@ -142,8 +142,5 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
 _registry.register(Int8SymmetricTensor)
 implements = Int8SymmetricTensor.implements
 implements_torch_function = Int8SymmetricTensor.implements_torch_function
-
-# The op tables register themselves on import.
-from torch_tp.quant import _ops_checkpoint, _ops_collective, _ops_matmul, _ops_overlap, _ops_shape  # noqa: E402,F401
 
 torch.serialization.add_safe_globals([Int8SymmetricTensor])

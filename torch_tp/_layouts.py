@@ -1,50 +1,28 @@
-"""Converting module inputs and outputs between plain tensors and DTensors.
+"""Layouts shared by every package of torch_tp: the ``torch.chunk`` shard rule and the two
+moves between plain tensors and DTensors.
 
-Every style's forward hooks reduce to two moves: *annotate* a plain local tensor as
-a DTensor with a known layout, and *redistribute* a DTensor to the layout the next
-computation needs. Both live here so the styles share one definition of each.
+* :func:`shard_bounds` / :func:`shard_sizes`: which slice of a dim each rank holds under
+  ``Shard`` (``torch.chunk``'s rule: 10 over 4 ranks is 3, 3, 3, 1). ``torch_tp.parallel``
+  (uneven shards, ``explain_plan``) and ``torch_tp.conv`` (halo geometry) both use it.
+* :func:`to_dtensor` *annotates* a plain local tensor as a DTensor with a known layout
+  (no communication); :func:`redistribute_to` *redistributes* a DTensor to the layout the
+  next computation needs; :func:`finish_output` hands a DTensor back to user code.
 
-The functions are module-level (styles bind them with :func:`functools.partial`)
-so that ``torch.compile`` traces them without graph breaks.
+Every style's forward hooks reduce to these moves. The functions are module-level (the
+styles bind them with keyword :func:`functools.partial`) so that ``torch.compile``
+traces them without graph breaks. This module imports nothing from torch_tp.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__: list[str] = []
-
-
-def normalize_layouts(
-    layouts: Placement | Sequence[Placement | None] | None,
-    argument: str,
-) -> tuple[Placement | None, ...] | None:
-    """Return ``layouts`` as a tuple (one entry per input or output), or ``None``.
-
-    A single :class:`Placement` means "one tensor". Anything else must be a sequence
-    of placements and ``None`` placeholders.
-    """
-    if layouts is None:
-        return None
-    if isinstance(layouts, Placement):
-        return (layouts,)
-    if isinstance(layouts, Sequence) and not isinstance(layouts, str):
-        layouts = tuple(layouts)
-        for layout in layouts:
-            if layout is not None and not isinstance(layout, Placement):
-                raise TypeError(
-                    f"{argument} entries must be Placements (Shard(d), Replicate(), ...) "
-                    f"or None placeholders; got {layout!r} in {layouts!r}"
-                )
-        return layouts
-    raise TypeError(
-        f"{argument} must be a Placement or a tuple of Placements/None; got {layouts!r}"
-    )
+__all__ = ["shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward"]
 
 
 def shard_bounds(size: int, num_ranks: int) -> list[tuple[int, int]]:
@@ -70,23 +48,6 @@ def shard_sizes(size: int, num_ranks: int) -> tuple[int, ...]:
         (1, 1, 1, 0)
     """
     return tuple(stop - start for start, stop in shard_bounds(size, num_ranks))
-
-
-def check_same_length(
-    layouts: tuple | None, desired: tuple | None, names: tuple[str, str]
-) -> None:
-    """Raise if a layout tuple and its desired-layout tuple cannot be zipped."""
-    if layouts is None and desired is None:
-        return
-    if layouts is None or desired is None:
-        given, missing = names if desired is None else names[::-1]
-        raise ValueError(f"{given} is set but {missing} is not; pass both, one entry per tensor")
-    if len(layouts) != len(desired):
-        raise ValueError(
-            f"{names[0]} has {len(layouts)} entries but {names[1]} has {len(desired)}: "
-            f"they describe the same tensors and need the same length "
-            f"(use None for an entry to leave alone)"
-        )
 
 
 def _global_shape_with_dim(
@@ -156,3 +117,20 @@ def redistribute_to(value: DTensor, layout: Placement) -> DTensor:
 def finish_output(value: DTensor, use_local_output: bool) -> torch.Tensor:
     """Hand a DTensor back to the user's code: its local shard, or the DTensor itself."""
     return value.to_local() if use_local_output else value
+
+
+def replace_forward(module: torch.nn.Module, forward, **bound) -> None:
+    """Run ``forward(module, *args, **bound)`` in place of ``module``'s own ``forward``.
+
+    The one way torch_tp swaps a forward (fused overlap layers, eval-mode BatchNorm on a
+    spatial shard): a module-level function bound by keyword, set on the instance, which
+    ``nn.Module.__call__`` prefers to the class's method (hooks still run around it).
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> replace_forward(layer, lambda module, x, *, scale: module.weight.sum() * scale, scale=0.0)
+        >>> layer(torch.ones(2)).item()
+        0.0
+    """
+    module.forward = partial(forward, module, **bound)

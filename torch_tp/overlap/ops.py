@@ -1,0 +1,249 @@
+"""The fused ops' public functions: argument handling around ``torch.ops.torch_tp.*``, the unfused
+references, and the seam for weight tensor subclasses.
+
+:func:`all_gather_matmul` and :func:`matmul_reduce_scatter` accept a ``ProcessGroup``, its
+name or a 1-D ``DeviceMesh``, negative dims, and check the ranks' shapes before the ring
+starts; :func:`all_gather_then_matmul` / :func:`matmul_then_reduce_scatter` compute the same
+results unfused. A weight subclass whose matmul the ring cannot express as ``rows @ b``
+(:class:`~torch_tp.quant.Int8SymmetricTensor`) registers its own custom ops around
+:func:`ring_all_gather_matmul` / :func:`ring_matmul_reduce_scatter` (the same rings with the
+chunk product supplied) and validates with :func:`check_all_gather_matmul` /
+:func:`check_matmul_reduce_scatter`: that is the whole seam, no private import.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> gathered, (h,) = all_gather_matmul(x, [w1.t()], gather_dim=1, group=mesh)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_tp.overlap import _custom_ops
+from torch_tp.overlap._custom_ops import REDUCE_OPS, check_all_gather_matmul, check_matmul_reduce_scatter
+
+__all__ = [
+    "REDUCE_OPS",
+    "all_gather_matmul",
+    "all_gather_then_matmul",
+    "check_all_gather_matmul",
+    "check_matmul_reduce_scatter",
+    "group_name_of",
+    "matmul_reduce_scatter",
+    "matmul_then_reduce_scatter",
+    "ring_all_gather_matmul",
+    "ring_matmul_reduce_scatter",
+]
+
+Group = Union[dist.ProcessGroup, str, DeviceMesh]
+
+
+def group_name_of(group: Group) -> str:
+    """The registered name of ``group``: a ``ProcessGroup``, its name, or a 1-D ``DeviceMesh``.
+
+    Example::
+
+        >>> group_name_of("tp-group-name")
+        'tp-group-name'
+    """
+    if isinstance(group, str):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"the fused ops run over one mesh dim; got a {group.ndim}-D DeviceMesh "
+                f"{group.mesh_dim_names}: pass mesh['tp'] (or that dim's name)"
+            )
+        return group.get_group().group_name
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    raise TypeError(f"group must be a ProcessGroup, its name (str) or a 1-D DeviceMesh; got {type(group).__name__}")
+
+
+def _leading_dim(dim: int, ndim: int, argument: str, op: str) -> int:
+    if not isinstance(dim, int):
+        raise TypeError(f"{op}: {argument} must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{op}: {argument}={dim} is out of range for a {ndim}-D input")
+    return dim % ndim
+
+
+def all_gather_matmul(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: Group,
+    *,
+    check_shapes: bool = True,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """All-gather ``a_shard`` on ``gather_dim`` and multiply by each ``b``, overlapping the two.
+
+    Args:
+        a_shard: this rank's shard, ``(..., K)``; every rank passes the same shape.
+        bs: matrices ``(K, N_i)`` (e.g. ``linear.weight.t()``; float or
+            :class:`~torch_tp.quant.Int8SymmetricTensor`).
+        gather_dim: the dim that is sharded over the ranks; any dim but the last.
+        group: a ``ProcessGroup``, its name, or a 1-D ``DeviceMesh``.
+        check_shapes: first compare the ranks' ``a_shard`` shapes (one small all-gather), so
+            that uneven shards raise ``ValueError`` on every rank; with ``False`` a mismatch
+            fails inside the P2P transfer instead (gloo aborts the process). Skipped while
+            ``torch.compile`` traces; the styles skip it because DTensor shapes are known.
+
+    Returns:
+        ``(a_gathered, [a_gathered @ b for b in bs])``, both gathered on ``gather_dim``.
+
+    Raises ``ValueError`` for a ``gather_dim`` that is the contracted (last) dim, for ``b``
+    shapes that do not fit ``a_shard`` and for shards of different shapes.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> x = torch.randn(4, 16)                        # 4 of the 4 * world rows
+        >>> rows, (y,) = all_gather_matmul(x, [torch.randn(16, 8)], gather_dim=0, group=mesh)
+        >>> y.shape
+        torch.Size([8, 8])    # world size 2
+    """
+    op = "all_gather_matmul"
+    if isinstance(bs, torch.Tensor):
+        raise TypeError(f"{op}: bs is a list of matrices; wrap a single one as [b]")
+    gather_dim = _leading_dim(gather_dim, a_shard.ndim, "gather_dim", op)
+    name = group_name_of(group)
+    if check_shapes and not torch.compiler.is_compiling():
+        _require_same_shapes(a_shard, name, op)
+    return torch.ops.torch_tp.all_gather_matmul(a_shard, list(bs), gather_dim, name)
+
+
+def _require_same_shapes(a_shard: torch.Tensor, group_name: str, op: str) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks' shards have one shape."""
+    group = _custom_ops.resolve_group(group_name)
+    mine = torch.tensor([a_shard.ndim, *a_shard.shape], dtype=torch.int64)
+    padded = torch.full((9,), -1, dtype=torch.int64)  # ndim, then up to 8 sizes
+    padded[: min(9, mine.numel())] = mine[:9]
+    padded = padded.to(a_shard.device)  # NCCL only moves device tensors
+    if group.size() > 1:
+        shapes = [torch.empty_like(padded) for _ in range(group.size())]
+        dist.all_gather(shapes, padded, group=group)
+        if any(not torch.equal(s, padded) for s in shapes):
+            described = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
+            raise ValueError(
+                f"{op}: the ranks' inputs have different shapes {described}; every rank must "
+                f"pass the same shape (shard the gathered dim evenly, e.g. pad the sequence to a "
+                f"multiple of {group.size()})"
+            )
+
+
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    group: Group,
+    reduce_op: str = "sum",
+    *,
+    check_shapes: bool = True,
+) -> torch.Tensor:
+    """``reduce_scatter(a @ b)`` on ``scatter_dim``, each step's transfer overlapping a matmul.
+
+    Args:
+        a: this rank's ``(..., K)`` operand (e.g. activations sharded on features).
+        b: ``(K, N)`` (float or :class:`~torch_tp.quant.Int8SymmetricTensor`).
+        scatter_dim: the dim to scatter over the ranks; any dim but the last, and its size
+            must divide by the group size (uneven sizes raise ``ValueError``).
+        group: a ``ProcessGroup``, its name, or a 1-D ``DeviceMesh``.
+        reduce_op: ``"sum"`` (default) or ``"avg"``.
+        check_shapes: first compare the ranks' ``a`` shapes, as in :func:`all_gather_matmul`.
+
+    Returns:
+        This rank's chunk of the reduced ``a @ b``: ``(..., N)`` with ``scatter_dim`` divided
+        by the group size.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> y = matmul_reduce_scatter(torch.randn(2, 16, 32), w2.t(), scatter_dim=1, group=mesh)
+        >>> y.shape   # world size 2, w2: (64, 32)
+        torch.Size([2, 8, 64])
+    """
+    op = "matmul_reduce_scatter"
+    scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", op)
+    name = group_name_of(group)
+    if check_shapes and not torch.compiler.is_compiling():
+        _require_same_shapes(a, name, op)
+    return torch.ops.torch_tp.matmul_reduce_scatter(a, b, scatter_dim, name, reduce_op)
+
+
+def all_gather_then_matmul(
+    a_shard: torch.Tensor, bs: Sequence[torch.Tensor], gather_dim: int, group: Group
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What :func:`all_gather_matmul` computes, done unfused: one all-gather, then the matmuls.
+
+    Differentiable (the all-gather's backward is a reduce-scatter).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> rows, (y,) = all_gather_then_matmul(x, [w.t()], gather_dim=0, group=mesh)
+    """
+    gather_dim = _leading_dim(gather_dim, a_shard.ndim, "gather_dim", "all_gather_then_matmul")
+    gathered = funcol.all_gather_single_autograd(a_shard, gather_dim, group_name_of(group))
+    return gathered, [gathered @ b for b in bs]
+
+
+def matmul_then_reduce_scatter(
+    a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group: Group, reduce_op: str = "sum"
+) -> torch.Tensor:
+    """What :func:`matmul_reduce_scatter` computes, done unfused: the matmul, then one reduce-scatter.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> y = matmul_then_reduce_scatter(h, w2.t(), scatter_dim=1, group=mesh)
+    """
+    scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", "matmul_then_reduce_scatter")
+    _custom_ops.check_reduce_op(reduce_op, "matmul_then_reduce_scatter")
+    name = group_name_of(group)
+    # "sum" then divide: the functional reduce-scatter has no backward for "avg"
+    out = funcol.reduce_scatter_single_autograd(a @ b, "sum", scatter_dim, name)
+    return out / _custom_ops.group_size(name) if reduce_op == "avg" else out
+
+
+# ------------------------------------------------------------------ the seam for weight subclasses
+
+ChunkMatmul = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def ring_all_gather_matmul(
+    a_shard: torch.Tensor, chunk_matmul: ChunkMatmul, gather_dim: int, group_name: str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`all_gather_matmul`'s ring with the chunk product supplied: ``chunk_matmul(rows)``
+    returns ``[rows @ b for each b]`` for one rank's chunk of rows (2-D, ``(m, K)``).
+
+    For weight subclasses that register their own custom op (the int8 weights of
+    :mod:`torch_tp.quant` pass ``qdata`` and ``scale`` as plain tensors). Outputs are
+    contiguous, gathered on ``gather_dim``; no autograd (wrap it in a custom op).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> gathered, (y,) = ring_all_gather_matmul(x, lambda rows: [rows @ w.t()], 1, group_name)
+    """
+    return _custom_ops.run_all_gather_matmul(a_shard, chunk_matmul, gather_dim, group_name)
+
+
+def ring_matmul_reduce_scatter(
+    a: torch.Tensor, chunk_matmul: ChunkMatmul, scatter_dim: int, group_name: str, reduce_op: str = "sum"
+) -> torch.Tensor:
+    """:func:`matmul_reduce_scatter`'s ring with the chunk product supplied (one output):
+    ``chunk_matmul(rows)`` returns ``[rows @ b]``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> y = ring_matmul_reduce_scatter(h, lambda rows: [rows @ w2.t()], 1, group_name)
+    """
+    return _custom_ops.run_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
