@@ -129,8 +129,8 @@ def replace_forward(module: torch.nn.Module, forward, **bound) -> None:
     Example::
 
         >>> layer = torch.nn.Linear(2, 2)
-        >>> replace_forward(layer, lambda module, x, *, scale: module.weight.sum() * scale, scale=0.0)
-        >>> layer(torch.ones(2)).item()
-        0.0
+        >>> replace_forward(layer, lambda module, x, *, scale: x * scale, scale=2.0)
+        >>> layer(torch.ones(2)).tolist()
+        [2.0, 2.0]
     """
     module.forward = partial(forward, module, **bound)
