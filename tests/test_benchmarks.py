@@ -7,7 +7,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
+pytestmark = pytest.mark.slow
 
 COLUMNS = [
     "world", "size", "variant", "mode", "fwd comms", "fwd KiB", "f+b comms", "f+b KiB",

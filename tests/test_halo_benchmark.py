@@ -9,7 +9,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
+pytestmark = pytest.mark.slow
 
 COLUMNS = [
     "world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",

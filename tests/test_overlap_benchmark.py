@@ -17,7 +17,11 @@ import subprocess
 import sys
 from functools import partial
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
+pytestmark = pytest.mark.slow
 
 COLUMNS = ["world", "shape", "MiB sent", "unfused ms", "fused ms", "fused/unfused",
            "comm ms", "compute ms", "ideal", "ring ideal"]

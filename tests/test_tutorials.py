@@ -5,7 +5,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
+pytestmark = pytest.mark.slow
 
 
 def _run(*argv, timeout=240):

@@ -16,12 +16,15 @@ from torch_tp.parallel import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
     UnsupportedModuleError,
+    VerificationReport,
     explain_plan,
     init_parameters,
     parallelize_module,
+    verify_plan,
 )
 
 __version__ = "0.1.0"
@@ -40,11 +43,14 @@ def __getattr__(name: str):
 __all__ = [
     "parallelize_module",
     "explain_plan",
+    "verify_plan",
+    "VerificationReport",
     "init_parameters",
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
+    "ReplicateParallel",
     "SpatialParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",

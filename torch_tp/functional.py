@@ -26,12 +26,20 @@ import torch.nn as nn
 
 from torch_tp.conv.spatial import SpatialParallel
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, replicate
+from torch_tp.parallel.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    ReplicateParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    replicate,
+)
 
 __all__ = [
     "colwise",
     "rowwise",
     "sequence_parallel",
+    "replicate_parallel",
     "spatial",
     "prepare_input",
     "prepare_output",
@@ -114,6 +122,16 @@ sequence_parallel = _function_form("sequence_parallel", SequenceParallel, """Run
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> sequence_parallel(model.norm, mesh)   # nn.LayerNorm, nn.RMSNorm, ...
+    """)
+
+replicate_parallel = _function_form("replicate_parallel", ReplicateParallel, """Run a module with
+    replicated parameters on (possibly sharded) inputs, its parameter gradients reduced over the
+    ranks: :class:`~torch_tp.ReplicateParallel` as a function.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> replicate_parallel(attention.q_norm, mesh, input_layouts=Shard(2))   # local heads
     """)
 
 spatial = _function_form("spatial", SpatialParallel, """Run a convolution (or a position-wise module

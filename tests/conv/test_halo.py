@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch_tp.conv import conv_windows, halo_bytes, halo_exchange
-from torch_tp.testing import record_p2p, mesh_2x2, rank, run_on_ranks, tp_mesh, world_size, world_sizes
+from torch_tp.testing import mesh_2x2, on_ranks, rank, record_p2p, run_on_ranks, tp_mesh, world_size, world_sizes
 
 
 def _counts(window):
@@ -75,48 +75,40 @@ def _check_adjoint(x, strip, global_x, *, dim, bounds, recv_left, recv_right, po
     assert dots[0] == dots[1], dots
 
 
-# Per world size: global length along the sharded dim, recv_left and recv_right per position.
-# The shards of 7 on 2 are [4, 3]; of 10 on 4 [3, 3, 3, 1]; of 5 on 4 [2, 2, 1, 0] (an empty one).
+# Per case and world size: global length along the sharded dim, recv_left and recv_right per
+# position. The shards of 7 on 2 are [4, 3] and of 10 on 4 [3, 3, 3, 1]; of 1 on 2 [1, 0] and
+# of 5 on 4 [2, 2, 1, 0] (an empty one).
 _ASYMMETRIC = {
-    2: [(7, [0, 3], [2, 0]), (1, [0, 1], [0, 0])],
-    4: [(10, [0, 3, 1, 1], [2, 1, 1, 0]), (5, [0, 2, 1, 1], [1, 0, 0, 0])],
+    "uneven": {2: (7, [0, 3], [2, 0]), 4: (10, [0, 3, 1, 1], [2, 1, 1, 0])},
+    "with_empty_shard": {2: (1, [0, 1], [0, 0]), 4: (5, [0, 2, 1, 1], [1, 0, 0, 0])},
 }
+_GROUP_OR_MESH = pytest.mark.parametrize("how", ["group", "mesh"])
 
 
-def _asymmetric_cases(how):
+@pytest.mark.parametrize("case", list(_ASYMMETRIC))
+@_GROUP_OR_MESH
+@on_ranks(2, 4)
+def test_forward_returns_neighbour_halos_and_backward_is_the_exact_adjoint(how, case):
     size = world_size()
-    results = []
-    for length, recv_left, recv_right in _ASYMMETRIC[size]:
-        global_x = torch.arange(2 * length * 3, dtype=torch.float32).view(2, length, 3)
-        counts = dict(recv_left=recv_left, recv_right=recv_right)
-        results.append(_exchange_on(tp_mesh(), global_x, dim=1, **counts, how=how))
-    return results
+    length, recv_left, recv_right = _ASYMMETRIC[case][size]
+    global_x = torch.arange(2 * length * 3, dtype=torch.float32).view(2, length, 3)
+    records = _exchange_on(tp_mesh(), global_x, dim=1, recv_left=recv_left, recv_right=recv_right, how=how)
+    if case == "uneven" and rank() == 0:
+        # rank 0 sends its right neighbour recv_left[1] slices and receives its recv_right[0];
+        # it never talks to anyone else.
+        assert records == sorted([("recv", 1, recv_right[0] * 2 * 3 * 4), ("send", 1, recv_left[1] * 2 * 3 * 4)])
+    if case == "uneven" and rank() == size - 1:
+        assert {peer for _, peer, _ in records} == {size - 2}
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("how", ["group", "mesh"])
-def test_forward_returns_neighbour_halos_and_backward_is_the_exact_adjoint(world_size, how):
-    records = run_on_ranks(_asymmetric_cases, world_size, how)
-    first = records[0][0]
-    # rank 0 of the first case sends its right neighbour recv_left[1] slices and receives its
-    # recv_right[0]; it never talks to anyone else.
-    length, recv_left, recv_right = _ASYMMETRIC[world_size][0]
-    assert first == sorted([("recv", 1, recv_right[0] * 2 * 3 * 4), ("send", 1, recv_left[1] * 2 * 3 * 4)])
-    last = records[-1][0]
-    assert {peer for _, peer, _ in last} == {world_size - 2}
-
-
-def _rows_of_2x2_mesh(how):
+@_GROUP_OR_MESH
+@on_ranks(4)
+def test_on_a_2x2_mesh_only_ranks_of_the_same_tp_row_exchange(how):
     row = mesh_2x2().get_local_rank("dp")
     global_x = torch.arange(2 * 7 * 3, dtype=torch.float32).view(2, 3, 7) + 1000 * row  # rows differ
-    return _exchange_on(mesh_2x2(), global_x, dim=-1, recv_left=[0, 3], recv_right=[2, 0], how=how)
-
-
-@pytest.mark.parametrize("how", ["group", "mesh"])
-def test_on_a_2x2_mesh_only_ranks_of_the_same_tp_row_exchange(how):
-    records = run_on_ranks(_rows_of_2x2_mesh, 4, how)
-    assert {peer for _, peer, _ in records[0]} == {1} and {peer for _, peer, _ in records[1]} == {0}
-    assert {peer for _, peer, _ in records[2]} == {3} and {peer for _, peer, _ in records[3]} == {2}
+    records = _exchange_on(mesh_2x2(), global_x, dim=-1, recv_left=[0, 3], recv_right=[2, 0], how=how)
+    row_partner = {0: 1, 1: 0, 2: 3, 3: 2}[rank()]  # rows are ranks {0, 1} and {2, 3}
+    assert {peer for _, peer, _ in records} == {row_partner}
 
 
 def _bytes_sent(case):
@@ -193,20 +185,29 @@ def test_local_conv_on_exchanged_halos_matches_the_global_conv_and_its_gradients
     assert sum(out_sizes) > 0
 
 
-def _invalid_calls():
+_NO_HALO = dict(recv_left=0, recv_right=0, send_left=0, send_right=0)
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        (dict(_NO_HALO, send_left=4), "send_left=4 but this rank's shard holds only 3 slices along dim 1"),
+        (dict(_NO_HALO, recv_right=-1), "recv_right must be an int >= 0, got -1"),
+        (dict(_NO_HALO, send_right=1.0), "send_right must be an int >= 0, got 1.0"),
+    ],
+    ids=["send_past_the_shard", "negative", "float"],
+)
+@on_ranks(2, 4)
+def test_invalid_halo_counts_raise_value_error_before_any_message(counts, match):
+    with pytest.raises(ValueError, match=match):
+        halo_exchange(torch.zeros(2, 3), dim=-1, **counts, mesh=tp_mesh())
+
+
+@on_ranks(2, 4)
+def test_invalid_arguments_raise_value_error_before_any_message():
     x = torch.zeros(2, 3)
     mesh = tp_mesh()
-    counts = dict(recv_left=0, recv_right=0, send_left=0, send_right=0)
-    checks = [
-        (dict(counts, send_left=4), "send_left=4 but this rank's shard holds only 3 slices along dim 1"),
-        (dict(counts, recv_right=-1), "recv_right must be an int >= 0, got -1"),
-        (dict(counts, send_right=1.0), "send_right must be an int >= 0, got 1.0"),
-    ]
-    for kwargs, match in checks:
-        with pytest.raises(ValueError, match=match):
-            halo_exchange(x, dim=-1, **kwargs, mesh=mesh)
-    with pytest.raises(ValueError, match="exactly one of group= or mesh="):
-        halo_exchange(x, dim=1, **counts)
+    counts = _NO_HALO
     with pytest.raises(ValueError, match="exactly one of group= or mesh="):
         halo_exchange(x, dim=1, **counts, group=mesh.get_group(), mesh=mesh)
     with pytest.raises(ValueError, match="dim=2 is out of range for a 2-D shard"):
@@ -222,19 +223,15 @@ def _invalid_calls():
     if rank() == world_size() - 1:
         with pytest.raises(ValueError, match="has no right neighbour .* send_right must be 0, got 0 and 2"):
             halo_exchange(x, dim=1, **dict(counts, send_right=2), mesh=mesh)
-    return True
 
 
-@world_sizes(2, 4)
-def test_invalid_arguments_raise_value_error_before_any_message(world_size):
-    assert run_on_ranks(_invalid_calls, world_size) == [True] * world_size
+def test_an_exchange_without_group_or_mesh_is_refused():
+    # refused before any communication: no ranks needed
+    with pytest.raises(ValueError, match="exactly one of group= or mesh="):
+        halo_exchange(torch.zeros(2, 3), dim=1, **_NO_HALO)
 
 
-def _mesh_dim_required_on_2d_mesh():
+@on_ranks(4)
+def test_a_2d_mesh_needs_mesh_dim():
     with pytest.raises(ValueError, match="on a 2-D mesh needs mesh_dim="):
         halo_exchange(torch.zeros(3), dim=0, **_counts(conv_windows(3, 1, kernel_size=1)[0]), mesh=mesh_2x2())
-    return True
-
-
-def test_a_2d_mesh_needs_mesh_dim():
-    assert run_on_ranks(_mesh_dim_required_on_2d_mesh, 4) == [True] * 4

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch_tp.conv import conv_windows, halo_bytes, install, sharded_convolution, uninstall
-from torch_tp.testing import record_p2p, mesh_2x2, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import mesh_2x2, on_ranks, record_p2p, run_on_ranks, tp_mesh, world_sizes
 
 aten = torch.ops.aten
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -241,7 +241,8 @@ def test_batch_only_does_no_exchange_and_spatial_sends_exactly_the_halos(world_s
     assert [r[2] for r in results] == [2 * f for f in fwd]
 
 
-def _grouped_task():
+@on_ranks(2, 4)
+def test_grouped_convolution_is_supported():
     mesh = tp_mesh()
     gen = torch.Generator().manual_seed(3)
     x = torch.randint(-3, 4, (2, 4, 5, 30), generator=gen).float()
@@ -262,11 +263,6 @@ def _grouped_task():
         torch.testing.assert_close(got.full_tensor(), ref, atol=1e-5, rtol=0)
 
 
-@world_sizes(2, 4)
-def test_grouped_convolution_is_supported(world_size):
-    run_on_ranks(_grouped_task, world_size)
-
-
 # ---------------------------------------------------------------------------------------------
 # Unsupported cases raise, never assert or mislabel
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +275,8 @@ def _expect(exc, fn, *args, **kwargs):
     return str(info.value)
 
 
-def _unsupported_task():
+@on_ranks(4)
+def test_unsupported_cases_raise_the_named_exception():
     mesh = tp_mesh()
     x = torch.randn(2, 4, 6, 16)
     w = torch.randn(4, 4, 3, 3)
@@ -296,24 +293,14 @@ def _unsupported_task():
     messages["halo"] = _expect(
         ValueError, F.conv2d, distribute_tensor(torch.randn(1, 4, 6, 8), mesh, [Shard(3)]),
         distribute_tensor(torch.randn(4, 4, 3, 7), mesh, rep), padding=(1, 3))
-    return messages
-
-
-def _two_spatial_task():
-    mesh = mesh_2x2()
-    x = distribute_tensor(torch.randn(2, 2, 8, 8), mesh, [Shard(2), Shard(3)])
-    w = distribute_tensor(torch.randn(2, 2, 3, 3), mesh, [Replicate(), Replicate()])
-    return _expect(NotImplementedError, F.conv2d, x, w, padding=1)
-
-
-@world_sizes(4)
-def test_unsupported_cases_raise_the_named_exception(world_size):
-    messages = run_on_ranks(_unsupported_task, world_size)[0]
+    x = distribute_tensor(torch.randn(2, 2, 8, 8), mesh_2x2(), [Shard(2), Shard(3)])
+    w = distribute_tensor(torch.randn(2, 2, 3, 3), mesh_2x2(), [Replicate(), Replicate()])
+    messages["two_spatial"] = _expect(NotImplementedError, F.conv2d, x, w, padding=1)
     assert "transposed" in messages["transposed"]
     assert "channel" in messages["channels"]
     assert "replicated weight" in messages["weight"]
     assert "neighbour" in messages["halo"] and "shards [2, 2, 2, 2]" in messages["halo"]
-    assert "one spatial dim" in run_on_ranks(_two_spatial_task, world_size)[0]
+    assert "one spatial dim" in messages["two_spatial"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,18 +17,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch_tp.conv as tp_conv
-from torch_tp import SpatialParallel, parallelize_module
+from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
 from torch_tp.functional import spatial
-from torch_tp import UnsupportedModuleError
 from torch_tp.testing import (
+    TOL,
     assert_params_and_grads_match,
     local_chunk,
+    on_ranks,
     run_on_ranks,
     tp_mesh,
     world_sizes,
 )
 
-TOL = dict(rtol=1e-5, atol=1e-5)
 WIDTH_PLAN = {"*": SpatialParallel(dim=3)}
 
 
@@ -109,8 +109,9 @@ def test_small_cnn_trains_3_sgd_steps_like_single_process(world_size):
 # ------------------------------------------------------------------ style arguments
 
 
+@on_ranks(2, 4)
 @_restoring_handlers
-def _arguments_task():
+def test_style_arguments():
     reference = _cnn()
     image = torch.randn(2, 3, 8, 30)
     expected = reference(image).detach()
@@ -158,19 +159,15 @@ def _arguments_task():
     expected.square().sum().backward()
     torch.testing.assert_close(x.grad, local_chunk(volume.grad, 2), **TOL)
     assert_params_and_grads_match(sharded, model, **TOL)
-    return tp_conv.is_installed()
-
-
-@world_sizes(2, 4)
-def test_style_arguments(world_size):
-    assert all(run_on_ranks(_arguments_task, world_size))
+    assert tp_conv.is_installed()
 
 
 # ------------------------------------------------------------------ installation
 
 
+@on_ranks(2)
 @_restoring_handlers
-def _install_task():
+def test_applying_the_style_installs_the_handlers_once():
     before = tp_conv.is_installed()
     table = DTensor._op_dispatcher._custom_op_handlers
     depth = len(tp_conv.sharded_conv._SAVED)
@@ -179,11 +176,7 @@ def _install_task():
     after = tp_conv.is_installed()
     stacked = len(tp_conv.sharded_conv._SAVED) - depth
     handler = table[torch.ops.aten.convolution.default]
-    return before, after, stacked, handler is tp_conv.convolution_handler
-
-
-def test_applying_the_style_installs_the_handlers_once():
-    assert run_on_ranks(_install_task, 2)[0] == (False, True, 1, True)
+    assert (before, after, stacked, handler is tp_conv.convolution_handler) == (False, True, 1, True)
 
 
 def test_import_alone_installs_nothing():
@@ -193,28 +186,42 @@ def test_import_alone_installs_nothing():
 # ------------------------------------------------------------------ refusals
 
 
+# name: (the refused module, phrases its error must hold besides the quoted path)
+_REFUSED = {
+    "head": (lambda: nn.Linear(4, 4), ("nn.Conv2d",)),
+    "norm": (lambda: nn.BatchNorm2d(8), ("batch statistics",)),  # training mode
+    "pool": (lambda: nn.MaxPool2d(2), ()),
+    "drop": (lambda: nn.Dropout(0.5), ()),
+    "wrap": (lambda: nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular"), ()),
+}
+
+
+@pytest.mark.parametrize("name", list(_REFUSED))
+@on_ranks(2)
 @_restoring_handlers
-def _refusal_task():
-    messages = {}
-    for name, layer in {
-        "head": nn.Linear(4, 4),
-        "norm": nn.BatchNorm2d(8),  # training mode
-        "pool": nn.MaxPool2d(2),
-        "drop": nn.Dropout(0.5),
-        "wrap": nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular"),
-    }.items():
-        model = nn.Sequential()
-        model.add_module(name, layer)
-        untouched = copy.deepcopy(model)
-        with pytest.raises(UnsupportedModuleError) as err:
-            parallelize_module(model, tp_mesh(), {name: SpatialParallel(dim=3)})
-        assert f"'{name}'" in str(err.value), str(err.value)
-        for (_, p), (_, q) in zip(model.named_parameters(), untouched.named_parameters()):
-            assert not isinstance(p, DTensor) and torch.equal(p, q)
-        messages[name] = str(err.value)
+def test_unsupported_modules_are_refused_naming_the_path(name):
+    build, phrases = _REFUSED[name]
+    model = nn.Sequential()
+    model.add_module(name, build())
+    untouched = copy.deepcopy(model)
+    with pytest.raises(UnsupportedModuleError) as err:
+        parallelize_module(model, tp_mesh(), {name: SpatialParallel(dim=3)})
+    for phrase in (f"'{name}'", *phrases):
+        assert phrase in str(err.value), str(err.value)
+    for (_, p), (_, q) in zip(model.named_parameters(), untouched.named_parameters()):
+        assert not isinstance(p, DTensor) and torch.equal(p, q)
+
+
+@on_ranks(2)
+@_restoring_handlers
+def test_a_dim_that_is_not_spatial_is_refused():
     with pytest.raises(ValueError, match="spatial dim"):
         parallelize_module(nn.Conv1d(2, 2, 3), tp_mesh(), {"": SpatialParallel(dim=3)})
 
+
+@on_ranks(2)
+@_restoring_handlers
+def test_inputs_and_modes_the_sharded_convolution_cannot_run_are_refused_at_forward():
     # an unbatched input would put dim=-1 on the wrong spatial dim
     conv = parallelize_module(nn.Conv2d(3, 3, 3), tp_mesh(), {"": SpatialParallel(dim=-1)})
     with pytest.raises(ValueError, match="batched 4-D"):
@@ -225,13 +232,6 @@ def _refusal_task():
     model.train()
     with pytest.raises(RuntimeError, match="training mode"):
         model(torch.randn(2, 3, 8, 8))
-    return messages
-
-
-def test_unsupported_modules_are_refused_naming_the_path():
-    messages = run_on_ranks(_refusal_task, 2)[0]
-    assert "batch statistics" in messages["norm"]
-    assert "nn.Conv2d" in messages["head"]
 
 
 def test_style_is_immutable_hashable_and_validates_its_arguments():

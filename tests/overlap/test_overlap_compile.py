@@ -15,30 +15,32 @@ import torch
 import torch._dynamo
 import torch._functorch.config
 import torch._inductor.config
-import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torch_tp import parallelize_module
-from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import assert_params_and_grads_match, record_p2p, run_on_ranks, tp_mesh
+from torch_tp.models.llama import tensor_parallel_plan
+from torch_tp.testing import (
+    TOL,
+    assert_params_and_grads_match,
+    on_ranks,
+    quantize_weights,
+    record_p2p,
+    small_llama,
+    small_llama_args,
+    tp_mesh,
+)
 
-ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
-TOL = dict(rtol=1e-5, atol=1e-5)
+VOCAB = small_llama_args().vocab_size
 # torch's own import of inductor warns about torch.jit.script_method; nothing to act on here
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def _model(quantized, overlap):
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = small_llama(seed=0, n_layers=1)
     if quantized:
-        from torch_tp.quant import quantize_module_weight
-
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                quantize_module_weight(module)
+        quantize_weights(model)
     return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=overlap))
 
 
@@ -76,8 +78,8 @@ def _compiled_matches_eager(quantized, overlap, backend):
     torch._dynamo.reset()
     eager = _model(quantized, overlap)
     compiled_model = copy.deepcopy(eager)
-    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    targets = torch.randint(0, ARGS.vocab_size, (2, 8))
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    targets = torch.randint(0, VOCAB, (2, 8))
     graphs = []
     compiler = _recording(graphs) if backend == "aot_eager" else backend
     # No AOTAutograd cache (its key does not cover this library's op code); one compile thread
@@ -102,8 +104,9 @@ def _compiled_matches_eager(quantized, overlap, backend):
 @pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@on_ranks(2)
 def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(backend, quantized, overlap):
-    nodes = run_on_ranks(_compiled_matches_eager, 2, quantized, overlap, backend)[0]
+    nodes = _compiled_matches_eager(quantized, overlap, backend)
     if backend != "aot_eager":
         return
     if not overlap:

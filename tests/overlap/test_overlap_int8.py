@@ -10,16 +10,16 @@ import torch
 
 from torch_tp import overlap
 from torch_tp.quant import Int8SymmetricTensor
-from torch_tp.testing import rank, run_on_ranks, tp_mesh, world_sizes
-
-TOL = dict(rtol=1e-5, atol=1e-5)
+from torch_tp.testing import TOL, on_ranks, rank, tp_mesh
 
 
 def _int8_weight(out_features, in_features):
     return Int8SymmetricTensor.from_hp(torch.randn(out_features, in_features))
 
 
-def _fused_vs_unfused_int8(gather_dim):
+@pytest.mark.parametrize("gather_dim", [0, 1])
+@on_ranks(2, 4)
+def test_int8_weights_give_the_unfused_int8_result_and_input_gradient(gather_dim):
     mesh = tp_mesh()
     torch.manual_seed(0)
     w_col, w_row = _int8_weight(12, 8), _int8_weight(8, 12)  # (out, in) like nn.Linear
@@ -39,44 +39,26 @@ def _fused_vs_unfused_int8(gather_dim):
     torch.testing.assert_close(shard.grad, ref_shard.grad, **TOL)
     # the int8 matrix stands for exactly its dequantized values
     torch.testing.assert_close(h, full @ w_col.dequantize().t(), **TOL)
-    return True
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("gather_dim", [0, 1])
-def test_int8_weights_give_the_unfused_int8_result_and_input_gradient(world_size, gather_dim):
-    assert all(run_on_ranks(_fused_vs_unfused_int8, world_size, gather_dim))
-
-
-def _mixed_case():
+@on_ranks(2)
+def test_mixing_int8_and_float_matrices_is_refused():
     mesh = tp_mesh()
     x = torch.randn(2, 8)
     with pytest.raises(NotImplementedError, match=r"mix of int8 and float matrices \['Int8SymmetricTensor', 'Tensor'\]"):
         overlap.all_gather_matmul(x, [_int8_weight(4, 8).t(), torch.randn(8, 4)], 0, mesh)
-    return True
 
 
-def test_mixing_int8_and_float_matrices_is_refused():
-    assert all(run_on_ranks(_mixed_case, 2))
-
-
-def _opcheck_int8_case():
+def _int8_opcheck_arguments(op):
     group_name = tp_mesh().get_group().group_name
     w_col, w_row = _int8_weight(6, 8).t(), _int8_weight(8, 6)  # (1, N) and (K, 1) scales
-    shard = torch.randn(2, 3, 8)
-    reports = {
-        "all_gather_int8_matmul": torch.library.opcheck(
-            torch.ops.torch_tp.all_gather_int8_matmul.default,
-            (shard, [w_col.qdata, w_row.qdata], [w_col.scale, w_row.scale], 1, group_name),
-        ),
-        "int8_matmul_reduce_scatter": torch.library.opcheck(
-            torch.ops.torch_tp.int8_matmul_reduce_scatter.default,
-            (torch.randn(2, 4, 8), w_col.qdata, w_col.scale, 1, group_name, "sum"),
-        ),
-    }
-    return reports
+    if op == "all_gather_int8_matmul":
+        return (torch.randn(2, 3, 8), [w_col.qdata, w_row.qdata], [w_col.scale, w_row.scale], 1, group_name)
+    return (torch.randn(2, 4, 8), w_col.qdata, w_col.scale, 1, group_name, "sum")
 
 
-def test_opcheck_passes_for_the_int8_ops():
-    for op, report in run_on_ranks(_opcheck_int8_case, 2)[0].items():
-        assert report and all(result == "SUCCESS" for result in report.values()), (op, report)
+@pytest.mark.parametrize("op", ["all_gather_int8_matmul", "int8_matmul_reduce_scatter"])
+@on_ranks(2)
+def test_opcheck_passes_for_the_int8_ops(op):
+    report = torch.library.opcheck(getattr(torch.ops.torch_tp, op).default, _int8_opcheck_arguments(op))
+    assert report and all(result == "SUCCESS" for result in report.values()), report

@@ -7,14 +7,15 @@ at 1e-5, for gathered/scattered dims 0 and 1, one to three right operands and wo
 bytes the collective would move. ``torch.library.opcheck`` checks the registrations.
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from torch_tp import overlap
-from torch_tp.testing import mesh_2x2, rank, record_p2p, run_on_ranks, sent_bytes, tp_mesh, world_sizes
+from torch_tp.testing import TOL, mesh_2x2, on_ranks, rank, record_p2p, sent_bytes, tp_mesh, world_size
 
-TOL = dict(rtol=1e-5, atol=1e-5)
 N_OUTS = (5, 7, 3)
 
 
@@ -26,7 +27,16 @@ def _leaf(t):
     return t.detach().clone().requires_grad_()
 
 
-def _all_gather_matmul_case(gather_dim, n_bs):
+def _sends_to_the_previous_rank(records, nbytes):
+    """Each of the world - 1 ring steps handed ``nbytes`` to the rank before this one, and only that."""
+    sends = [(peer, size) for kind, peer, size in records if kind == "send"]
+    assert sends == [((rank() - 1) % world_size(), nbytes)] * (world_size() - 1)
+
+
+@pytest.mark.parametrize("n_bs", [1, 3])
+@pytest.mark.parametrize("gather_dim", [0, 1])
+@on_ranks(2, 4)
+def test_all_gather_matmul_equals_all_gather_then_matmul(gather_dim, n_bs):
     mesh = tp_mesh()
     torch.manual_seed(0)  # the same full tensors on every rank
     full = torch.randn(2 * mesh.size(), 3 * mesh.size(), 8)
@@ -48,21 +58,15 @@ def _all_gather_matmul_case(gather_dim, n_bs):
     torch.testing.assert_close(shard.grad, ref_shard.grad, **TOL)
     for b, ref in zip(bs, ref_bs):
         torch.testing.assert_close(b.grad, ref.grad, **TOL)
-    return records, shard.numel() * shard.element_size()
+    shard_bytes = shard.numel() * shard.element_size()
+    _sends_to_the_previous_rank(records, shard_bytes)  # one shard per step
+    assert sent_bytes(records) == (world_size() - 1) * shard_bytes
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("gather_dim", [0, 1])
-@pytest.mark.parametrize("n_bs", [1, 3])
-def test_all_gather_matmul_equals_all_gather_then_matmul(world_size, gather_dim, n_bs):
-    for r, (records, shard_bytes) in enumerate(run_on_ranks(_all_gather_matmul_case, world_size, gather_dim, n_bs)):
-        sends = [(peer, nbytes) for kind, peer, nbytes in records if kind == "send"]
-        # world - 1 steps, each handing one shard to the rank before this one
-        assert sends == [((r - 1) % world_size, shard_bytes)] * (world_size - 1)
-        assert sent_bytes(records) == (world_size - 1) * shard_bytes
-
-
-def _matmul_reduce_scatter_case(scatter_dim, reduce_op):
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+@on_ranks(2, 4)
+def test_matmul_reduce_scatter_equals_matmul_then_reduce_scatter(scatter_dim, reduce_op):
     mesh = tp_mesh()
     torch.manual_seed(rank())  # each rank holds its own partial operand
     a = torch.randn(2 * mesh.size(), 3 * mesh.size(), 6, requires_grad=True)
@@ -77,20 +81,11 @@ def _matmul_reduce_scatter_case(scatter_dim, reduce_op):
     (ref * weight).sum().backward()
     torch.testing.assert_close(a.grad, ref_a.grad, **TOL)
     torch.testing.assert_close(b.grad, ref_b.grad, **TOL)
-    return records, out.numel() * out.element_size()
+    _sends_to_the_previous_rank(records, out.numel() * out.element_size())
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("scatter_dim", [0, 1])
-@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
-def test_matmul_reduce_scatter_equals_matmul_then_reduce_scatter(world_size, scatter_dim, reduce_op):
-    results = run_on_ranks(_matmul_reduce_scatter_case, world_size, scatter_dim, reduce_op)
-    for r, (records, out_bytes) in enumerate(results):
-        sends = [(peer, nbytes) for kind, peer, nbytes in records if kind == "send"]
-        assert sends == [((r - 1) % world_size, out_bytes)] * (world_size - 1)
-
-
-def _sub_mesh_case():
+@on_ranks(4)
+def test_the_ring_runs_over_one_dim_of_a_2x2_mesh_and_talks_only_within_its_row():
     tp = mesh_2x2()["tp"]  # rows {0, 1} and {2, 3}
     row = dist.get_process_group_ranks(tp.get_group())
     torch.manual_seed(dist.get_rank() // 2)  # one full tensor per row
@@ -102,27 +97,21 @@ def _sub_mesh_case():
     torch.testing.assert_close(gathered, full, rtol=0, atol=0)
     torch.testing.assert_close(y, full @ b, **TOL)
     assert scattered.shape == (2, 2, 5)
-    return {peer for _, peer, _ in records} <= set(row) - {dist.get_rank()}
+    assert {peer for _, peer, _ in records} <= set(row) - {dist.get_rank()}
 
 
-def test_the_ring_runs_over_one_dim_of_a_2x2_mesh_and_talks_only_within_its_row():
-    assert run_on_ranks(_sub_mesh_case, 4) == [True] * 4
-
-
-def _single_rank_case():
+@on_ranks(1)
+def test_one_rank_is_a_plain_matmul():
     x, b = torch.randn(2, 3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
     gathered, (y,) = overlap.all_gather_matmul(x, [b], 1, tp_mesh())
     z = overlap.matmul_reduce_scatter(y, b.t(), 0, tp_mesh(), "avg")
     z.sum().backward()
     torch.testing.assert_close(z, x @ b @ b.t(), **TOL)
-    return torch.equal(gathered, x)
+    assert torch.equal(gathered, x)
 
 
-def test_one_rank_is_a_plain_matmul():
-    assert run_on_ranks(_single_rank_case, 1) == [True]
-
-
-def _bfloat16_case():
+@on_ranks(2, 4)
+def test_bfloat16_inputs_stay_bfloat16():
     mesh = tp_mesh()
     torch.manual_seed(0)
     full = torch.randn(2, 4 * mesh.size(), 16, dtype=torch.bfloat16)
@@ -136,15 +125,10 @@ def _bfloat16_case():
     torch.testing.assert_close(y, want, rtol=0, atol=0)  # no sum across ranks: the same products
     # the partial sums are added in a different order (ring vs gloo's reduce-scatter)
     torch.testing.assert_close(z, z_want, rtol=1.6e-2, atol=1e-2)
-    return True
 
 
-@world_sizes(2, 4)
-def test_bfloat16_inputs_stay_bfloat16(world_size):
-    assert all(run_on_ranks(_bfloat16_case, world_size))
-
-
-def _unused_output_case():
+@on_ranks(2)
+def test_an_unused_output_costs_nothing_in_the_backward():
     mesh = tp_mesh()
     shard = torch.randn(2, 4, requires_grad=True)
     b_used, b_unused = torch.randn(4, 3, requires_grad=True), torch.randn(4, 5, requires_grad=True)
@@ -152,15 +136,12 @@ def _unused_output_case():
     with record_p2p() as records:
         used.sum().backward()
     # the backward reduce-scatters grad @ b_used.T only: one (2, 4) partial per step
-    return sent_bytes(records), b_unused.grad
+    assert sent_bytes(records) == 2 * 4 * 4 and b_unused.grad is None
 
 
-def test_an_unused_output_costs_nothing_in_the_backward():
-    for sent, unused_grad in run_on_ranks(_unused_output_case, 2):
-        assert sent == 2 * 4 * 4 and unused_grad is None
-
-
-def _saved_shapes_case(b_requires_grad):
+@pytest.mark.parametrize("b_requires_grad", [False, True], ids=["frozen", "trainable"])
+@on_ranks(2)
+def test_frozen_weights_keep_no_activation_alive_for_the_backward(b_requires_grad):
     mesh = tp_mesh()
     shard = torch.randn(2, 3, 8, requires_grad=True)
     b = torch.randn(8, 5, requires_grad=b_requires_grad)
@@ -173,104 +154,97 @@ def _saved_shapes_case(b_requires_grad):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gathered, (y,) = overlap.all_gather_matmul(shard, [b], 1, mesh)
         overlap.matmul_reduce_scatter(y, torch.randn(5, 4, requires_grad=b_requires_grad), 1, mesh)
-    return saved, tuple(gathered.shape), tuple(y.shape)
-
-
-def test_frozen_weights_keep_no_activation_alive_for_the_backward():
-    frozen, gathered, y = run_on_ranks(_saved_shapes_case, 2, False)[0]
-    # only the matrices are kept (their transposes give the input gradients)
-    assert frozen == [(8, 5), (5, 4)], frozen
-    trainable, _, _ = run_on_ranks(_saved_shapes_case, 2, True)[0]
-    # trainable: the gathered input of the first op and the input of the second, for the weight gradients
-    assert sorted(trainable) == sorted([gathered, (8, 5), y, (5, 4)]), trainable
+    if b_requires_grad:
+        # the gathered input of the first op and the input of the second, for the weight gradients
+        assert sorted(saved) == sorted([tuple(gathered.shape), (8, 5), tuple(y.shape), (5, 4)]), saved
+    else:
+        # only the matrices are kept (their transposes give the input gradients)
+        assert saved == [(8, 5), (5, 4)], saved
 
 
 # ------------------------------------------------------------------ errors
 
 
-def _errors_case():
-    mesh = tp_mesh()
-    x = torch.randn(3, 4, 8)
-    errors = {}
-    attempts = {
-        "contracted_gather": lambda: overlap.all_gather_matmul(x, [torch.randn(8, 2)], 2, mesh),
-        "wrong_rows": lambda: overlap.all_gather_matmul(x, [torch.randn(6, 2)], 0, mesh),
-        "single_b": lambda: overlap.all_gather_matmul(x, torch.randn(8, 2), 0, mesh),
-        "empty_bs": lambda: overlap.all_gather_matmul(x, [], 0, mesh),
-        "dtype": lambda: overlap.all_gather_matmul(x, [torch.randn(8, 2, dtype=torch.float64)], 0, mesh),
-        "uneven_scatter": lambda: overlap.matmul_reduce_scatter(x, torch.randn(8, 2), 0, mesh),
-        "reduce_op": lambda: overlap.matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 2), 0, mesh, "max"),
-        "bad_group": lambda: overlap.matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 2), 0, 3),
-    }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-        except (ValueError, TypeError) as error:
-            errors[name] = f"{type(error).__name__}: {error}"
-    dist.barrier()
-    return errors
+_X = (3, 4, 8)  # the input of the bad calls below
+# case: (the call, given the input and the mesh; what its error must say, as "Type: message")
+_BAD_CALLS = {
+    "contracted_gather": (
+        lambda x, mesh: overlap.all_gather_matmul(x, [torch.randn(8, 2)], 2, mesh),
+        r"ValueError: all_gather_matmul: gather_dim=2 .* leading dims 0..1 .*contracts",
+    ),
+    "wrong_rows": (
+        lambda x, mesh: overlap.all_gather_matmul(x, [torch.randn(6, 2)], 0, mesh),
+        r"ValueError: .*bs\[0\] has 6 rows but the input's last .* dim is 8.*weight.t\(\)",
+    ),
+    "single_b": (
+        lambda x, mesh: overlap.all_gather_matmul(x, torch.randn(8, 2), 0, mesh),
+        r"TypeError: .*wrap a single one as \[b\]",
+    ),
+    "empty_bs": (lambda x, mesh: overlap.all_gather_matmul(x, [], 0, mesh), r"ValueError: .*bs is empty"),
+    "dtype": (
+        lambda x, mesh: overlap.all_gather_matmul(x, [torch.randn(8, 2, dtype=torch.float64)], 0, mesh),
+        r"TypeError: .*torch.float64 but the input is torch.float32",
+    ),
+    "uneven_scatter": (
+        lambda x, mesh: overlap.matmul_reduce_scatter(x, torch.randn(8, 2), 0, mesh),
+        r"ValueError: .*size 3, which does not split evenly over 2 ranks.*pad it",
+    ),
+    "reduce_op": (
+        lambda x, mesh: overlap.matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 2), 0, mesh, "max"),
+        r"ValueError: .*reduce_op='max' is not supported",
+    ),
+}
 
 
-def test_bad_arguments_raise_errors_that_say_what_to_change():
-    errors = run_on_ranks(_errors_case, 2)[0]
-    expected = {
-        "contracted_gather": r"ValueError: all_gather_matmul: gather_dim=2 .* leading dims 0..1 .*contracts",
-        "wrong_rows": r"ValueError: .*bs\[0\] has 6 rows but the input's last .* dim is 8.*weight.t\(\)",
-        "single_b": r"TypeError: .*wrap a single one as \[b\]",
-        "empty_bs": r"ValueError: .*bs is empty",
-        "dtype": r"TypeError: .*torch.float64 but the input is torch.float32",
-        "uneven_scatter": r"ValueError: .*size 3, which does not split evenly over 2 ranks.*pad it",
-        "reduce_op": r"ValueError: .*reduce_op='max' is not supported",
-        "bad_group": r"TypeError: group must be a ProcessGroup",
-    }
-    assert set(errors) == set(expected), errors
-    for name, pattern in expected.items():
-        assert pytest.importorskip("re").match(pattern, errors[name]), (name, errors[name])
+@pytest.mark.parametrize("case", list(_BAD_CALLS))
+@on_ranks(2)
+def test_bad_arguments_raise_errors_that_say_what_to_change(case):
+    call, pattern = _BAD_CALLS[case]
+    with pytest.raises((ValueError, TypeError)) as raised:
+        call(torch.randn(*_X), tp_mesh())
+    error = f"{raised.type.__name__}: {raised.value}"
+    assert re.match(pattern, error), error
 
 
-def _uneven_shards_case(op):
+def test_a_group_that_is_neither_a_process_group_nor_a_mesh_is_refused():
+    # refused before any communication: no ranks needed
+    with pytest.raises(TypeError, match="^group must be a ProcessGroup"):
+        overlap.matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 2), 0, 3)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@on_ranks(2, 4)
+def test_ranks_with_different_shapes_all_get_a_clear_error(op):
+    # without the check, gloo aborts the process when a received chunk has the wrong size
     x = torch.randn(3 if rank() == 0 else 2, 8)
     with pytest.raises(ValueError) as raised:
         if op == "all_gather_matmul":
             overlap.all_gather_matmul(x, [torch.randn(8, 2)], 0, tp_mesh())
         else:
             overlap.matmul_reduce_scatter(x, torch.randn(8, 2), 0, tp_mesh())
-    return str(raised.value)
-
-
-@world_sizes(2, 4)
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
-def test_ranks_with_different_shapes_all_get_a_clear_error(world_size, op):
-    # without the check, gloo aborts the process when a received chunk has the wrong size
-    messages = run_on_ranks(_uneven_shards_case, world_size, op)
-    sizes = [(3, 8)] + [(2, 8)] * (world_size - 1)
-    assert messages == [
+    sizes = [(3, 8)] + [(2, 8)] * (world_size() - 1)
+    assert str(raised.value) == (
         f"{op}: the ranks' inputs have different shapes {sizes}; every rank must pass the same "
-        f"shape (shard the gathered dim evenly, e.g. pad the sequence to a multiple of {world_size})"
-    ] * world_size
+        f"shape (shard the gathered dim evenly, e.g. pad the sequence to a multiple of {world_size()})"
+    )
 
 
 # ------------------------------------------------------------------ registrations
 
 
-def _opcheck_case():
+def _opcheck_arguments(op):
     group_name = tp_mesh().get_group().group_name
-    shard = torch.randn(2, 3, 8, requires_grad=True)
-    bs = [torch.randn(8, 4, requires_grad=True), torch.randn(8, 2)]
+    if op == "all_gather_matmul":
+        shard = torch.randn(2, 3, 8, requires_grad=True)
+        bs = [torch.randn(8, 4, requires_grad=True), torch.randn(8, 2)]
+        return (shard, bs, 1, group_name)
     a = torch.randn(2, 4, 8, requires_grad=True)
     b = torch.randn(8, 6, requires_grad=True)
-    reports = {
-        "all_gather_matmul": torch.library.opcheck(
-            torch.ops.torch_tp.all_gather_matmul.default, (shard, bs, 1, group_name)
-        ),
-        "matmul_reduce_scatter": torch.library.opcheck(
-            torch.ops.torch_tp.matmul_reduce_scatter.default, (a, b, 1, group_name, "sum")
-        ),
-    }
-    return {op: {check: result for check, result in report.items()} for op, report in reports.items()}
+    return (a, b, 1, group_name, "sum")
 
 
-def test_opcheck_passes_for_both_ops():
-    reports = run_on_ranks(_opcheck_case, 2)[0]
-    for op, report in reports.items():
-        assert report and all(result == "SUCCESS" for result in report.values()), (op, report)
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@on_ranks(2)
+def test_opcheck_passes_for_both_ops(op):
+    report = torch.library.opcheck(getattr(torch.ops.torch_tp, op).default, _opcheck_arguments(op))
+    assert report and all(result == "SUCCESS" for result in report.values()), report

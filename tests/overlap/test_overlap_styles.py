@@ -20,6 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.testing import (
+    quantize_weights,
     assert_params_and_grads_match,
     comm_counts,
     local_chunk,
@@ -34,15 +35,6 @@ ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, ma
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _quantized(model):
-    from torch_tp.quant import quantize_module_weight
-
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            quantize_module_weight(module)
-    return model
-
-
 def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -51,7 +43,7 @@ def _overlapped_matches_unfused(quantized, steps):
     torch.manual_seed(0)
     reference = Transformer(ARGS)
     if quantized:
-        reference = _quantized(reference)
+        reference = quantize_weights(reference)
     fused, unfused = copy.deepcopy(reference), copy.deepcopy(reference)
     parallelize_module(fused, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=True))
     parallelize_module(unfused, tp_mesh(), tensor_parallel_plan(sequence_parallel=True))

@@ -16,17 +16,10 @@ from torch.distributed.tensor.parallel import RowwiseParallel as UpstreamRowwise
 from torch.distributed.tensor.parallel import parallelize_module as upstream_parallelize_module
 
 from torch_tp import parallelize_module
-from torch_tp.models.llama import (
-    ModelArgs,
-    Transformer,
-    TransformerBlock,
-    block_tensor_parallel_plan,
-    rotary_table,
-    tensor_parallel_plan,
-)
-from torch_tp.testing import comm_counts, run_on_ranks, tp_mesh
+from torch_tp.models.llama import TransformerBlock, block_tensor_parallel_plan, rotary_table, tensor_parallel_plan
+from torch_tp.testing import comm_counts, run_on_ranks, small_llama, small_llama_args, tp_mesh, world_sizes
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
+ARGS = small_llama_args()
 SEQ = 8
 
 
@@ -73,7 +66,7 @@ def _upstream_block_counts():
 
 
 def _torch_tp_model_counts(sequence_parallel):
-    model = Transformer(ARGS)
+    model = small_llama()
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
     with CommDebugMode() as forward_mode:
@@ -83,43 +76,48 @@ def _torch_tp_model_counts(sequence_parallel):
     return _format(comm_counts(forward_mode), comm_counts(backward_mode))
 
 
-class TestBlockCollectives(expecttest.TestCase):
-    def test_upstream_usual_plan_issues_one_backward_all_reduce_per_colwise_layer(self):
-        counts = run_on_ranks(_upstream_block_counts, 2)
-        self.assertExpectedInline(counts[0], """\
+def _assert_counts(task, world_size, *args, expect):
+    """Every rank counted the same collectives, and they read ``expect``.
+
+    ``expect`` is the caller's inline literal: EXPECTTEST_ACCEPT=1 rewrites it there (one call
+    site per expected text; parametrized cases must all print the same text).
+    """
+    counts = run_on_ranks(task, world_size, *args)
+    assert len(set(counts)) == 1, counts
+    expecttest.assert_expected_inline(counts[0], expect, skip=1)
+
+
+def test_upstream_usual_plan_issues_one_backward_all_reduce_per_colwise_layer():
+    _assert_counts(_upstream_block_counts, 2, expect="""\
 forward: all_reduce=2
 backward: all_reduce=5""")
 
-    def test_torch_tp_plan_issues_two_backward_all_reduces_per_block(self):
-        for world_size in (2, 4):
-            counts = run_on_ranks(_torch_tp_block_counts, world_size, False)
-            self.assertEqual(len(set(counts)), 1)
-            self.assertExpectedInline(counts[0], """\
+
+@world_sizes(2, 4)
+def test_torch_tp_plan_issues_two_backward_all_reduces_per_block(world_size):
+    _assert_counts(_torch_tp_block_counts, world_size, False, expect="""\
 forward: all_reduce=2
 backward: all_reduce=2""")
 
-    def test_torch_tp_sequence_parallel_block_gathers_and_scatters_twice_each_way(self):
-        for world_size in (2, 4):
-            counts = run_on_ranks(_torch_tp_block_counts, world_size, True)
-            self.assertEqual(len(set(counts)), 1)
-            self.assertExpectedInline(counts[0], """\
+
+@world_sizes(2, 4)
+def test_torch_tp_sequence_parallel_block_gathers_and_scatters_twice_each_way(world_size):
+    _assert_counts(_torch_tp_block_counts, world_size, True, expect="""\
 forward: all_gather_into_tensor=2, reduce_scatter_tensor=2
 backward: all_gather_into_tensor=2, reduce_scatter_tensor=2""")
 
 
-class TestModelCollectives(expecttest.TestCase):
-    def test_two_layer_model_tensor_parallel(self):
-        counts = run_on_ranks(_torch_tp_model_counts, 2, False)
-        # forward: embedding all-reduce + 2 per block, one gather of the logits;
-        # backward: 2 per block + 1 for the output head's (replicated) input.
-        self.assertExpectedInline(counts[0], """\
+def test_two_layer_model_tensor_parallel():
+    # forward: embedding all-reduce + 2 per block, one gather of the logits;
+    # backward: 2 per block + 1 for the output head's (replicated) input.
+    _assert_counts(_torch_tp_model_counts, 2, False, expect="""\
 forward: all_gather_into_tensor=1, all_reduce=5
 backward: all_reduce=5""")
 
-    def test_two_layer_model_sequence_parallel(self):
-        counts = run_on_ranks(_torch_tp_model_counts, 2, True)
-        # forward: 2 + 2 per block, the head's input gather and logits gather, the
-        # embedding's reduce-scatter; backward mirrors them (the logits gather needs none).
-        self.assertExpectedInline(counts[0], """\
+
+def test_two_layer_model_sequence_parallel():
+    # forward: 2 + 2 per block, the head's input gather and logits gather, the
+    # embedding's reduce-scatter; backward mirrors them (the logits gather needs none).
+    _assert_counts(_torch_tp_model_counts, 2, True, expect="""\
 forward: all_gather_into_tensor=6, reduce_scatter_tensor=5
 backward: all_gather_into_tensor=5, reduce_scatter_tensor=5""")

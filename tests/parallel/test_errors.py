@@ -1,11 +1,13 @@
 """Every user error in ``parallelize_module`` is a clear exception naming the module path.
 
-Each case runs the real ``parallelize_module`` on gloo ranks (world size 2 unless the
-case needs 4). The checks run inside the rank functions with ``pytest.raises``; a
-failed check comes back as a ``RankFailure`` carrying the rank's traceback.
+Each case runs the real ``parallelize_module`` on gloo ranks (world size 2 unless the case
+needs 4): the test bodies run on every rank (``@on_ranks``) and check with ``pytest.raises``;
+a failed check comes back as a ``RankFailure`` carrying the rank's traceback. Only a call
+that fails before any mesh exists (no mesh given and none active) runs in this process.
 """
 
 import copy
+import functools
 import re
 
 import pytest
@@ -24,17 +26,18 @@ from torch_tp import (
     SequenceParallel,
     parallelize_module,
 )
-from torch_tp.models.llama import (
-    ModelArgs,
-    Transformer,
-    TransformerBlock,
-    block_tensor_parallel_plan,
-    rotary_table,
+from torch_tp.models.llama import TransformerBlock, block_tensor_parallel_plan, rotary_table
+from torch_tp.testing import (
+    TOL,
+    assert_params_and_grads_match,
+    mesh_2x2,
+    on_ranks,
+    small_llama,
+    small_llama_args,
+    tp_mesh,
 )
-from torch_tp.testing import mesh_2x2, run_on_ranks, tp_mesh
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
-TOL = dict(rtol=1e-5, atol=1e-5)
+ARGS = small_llama_args()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -73,6 +76,13 @@ def _no_hooks(model):
     return all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+def _assert_rejected(model, plan, exc_type, path, phrases):
+    """``parallelize_module`` refuses ``plan`` naming ``path`` and every phrase; nothing changed."""
+    with _raises(exc_type, path, *phrases):
+        parallelize_module(model, tp_mesh(), plan)
+    assert _no_dtensor_params(model)
+
+
 class TwoInputs(nn.Module):
     """``forward(x, y=None, *, mask=None)``: a module whose extra inputs may be non-tensors."""
 
@@ -103,8 +113,9 @@ class Tiny(nn.Module):
 # ------------------------------------------------------------------- plan resolution
 
 
-def _unmatched_key():
-    model = Transformer(ARGS)
+@on_ranks(2)
+def test_unmatched_plan_key_raises_with_closest_paths():
+    model = small_llama()
     with _raises(ValueError, "layers.*.attention.wqq", "matched no submodule", "closest module paths") as info:
         parallelize_module(model, tp_mesh(), {"layers.*.attention.wqq": ColwiseParallel()})
     info.match(re.escape("'layers.0.attention.wq'"))
@@ -120,11 +131,8 @@ def _unmatched_key():
     assert _no_dtensor_params(model)
 
 
-def test_unmatched_plan_key_raises_with_closest_paths():
-    run_on_ranks(_unmatched_key, 2)
-
-
-def _conflicting_patterns():
+@on_ranks(2)
+def test_two_patterns_giving_one_module_different_styles_raise_naming_both_patterns():
     block = TransformerBlock(ARGS)
     plan = {"attention.w*": ColwiseParallel(), "attention.wo": RowwiseParallel()}
     with _raises(ValueError, "attention.wo", "two different styles", "'attention.w*'", "'attention.wo'"):
@@ -142,53 +150,60 @@ def _conflicting_patterns():
     assert block.attention.wk.weight.placements == (Shard(0),)
 
 
-def test_two_patterns_giving_one_module_different_styles_raise_naming_both_patterns():
-    run_on_ranks(_conflicting_patterns, 2)
-
-
 # ----------------------------------------------------------------------- module types
 
 
-def _unsupported_module_types():
-    block = TransformerBlock(ARGS)
-    for style in (ColwiseParallel(), RowwiseParallel()):
-        name = type(style).__name__
-        with _raises(TypeError, "attention", f"{name} cannot shard", "(Attention)", "nn.Linear"):
-            parallelize_module(block, tp_mesh(), {"attention": style})
-    with _raises(TypeError, "attention.wq", "SequenceParallel", "(Linear).weight", "(32, 32)"):
-        parallelize_module(block, tp_mesh(), {"attention.wq": SequenceParallel()})
-    model = WithBatchNorm()
-    with _raises(TypeError, "bn", "SequenceParallel", "(BatchNorm1d)", "batch statistics"):
-        parallelize_module(model, tp_mesh(), {"bn": SequenceParallel()})
-    assert _no_dtensor_params(block) and _no_dtensor_params(model)
+_BLOCK = functools.partial(TransformerBlock, ARGS)
+# case: (model factory, plan, path, phrases of the TypeError)
+_UNSUPPORTED_MODULES = {
+    "colwise_on_attention": (
+        _BLOCK, {"attention": ColwiseParallel()}, "attention",
+        ("ColwiseParallel cannot shard", "(Attention)", "nn.Linear"),
+    ),
+    "rowwise_on_attention": (
+        _BLOCK, {"attention": RowwiseParallel()}, "attention",
+        ("RowwiseParallel cannot shard", "(Attention)", "nn.Linear"),
+    ),
+    "sequence_parallel_on_linear": (
+        _BLOCK, {"attention.wq": SequenceParallel()}, "attention.wq",
+        ("SequenceParallel", "(Linear).weight", "(32, 32)"),
+    ),
+    "sequence_parallel_on_batchnorm": (
+        WithBatchNorm, {"bn": SequenceParallel()}, "bn", ("SequenceParallel", "(BatchNorm1d)", "batch statistics"),
+    ),
+}
 
 
-def test_style_on_unsupported_module_type_raises_type_error_naming_path():
-    run_on_ranks(_unsupported_module_types, 2)
+@pytest.mark.parametrize("case", sorted(_UNSUPPORTED_MODULES))
+@on_ranks(2)
+def test_style_on_unsupported_module_type_raises_type_error_naming_path(case):
+    build, plan, path, phrases = _UNSUPPORTED_MODULES[case]
+    _assert_rejected(build(), plan, TypeError, path, phrases)
 
 
-def _upstream_style_on_container():
+@on_ranks(2)
+def test_upstream_style_on_unsupported_module_raises_naming_path():
     block = TransformerBlock(ARGS)
     with _raises(NotImplementedError, "attention", "(Attention)", "ColwiseParallel"):
         parallelize_module(block, tp_mesh(), {"attention": UpstreamColwiseParallel()})
 
 
-def test_upstream_style_on_unsupported_module_raises_naming_path():
-    run_on_ranks(_upstream_style_on_container, 2)
-
-
 # ---------------------------------------------------------------- forward-time inputs
 
 
-def _non_tensor_inputs():
+@pytest.mark.parametrize("value, kind", [(3, "int"), (None, "NoneType")], ids=["int", "None"])
+@on_ranks(2)
+def test_non_tensor_input_with_a_layout_raises_type_error_at_forward_naming_path_and_position(value, kind):
     one = nn.Sequential(TwoInputs())
     parallelize_module(
         one, tp_mesh(), {"0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))}
     )
-    for value, kind in ((3, "int"), (None, "NoneType")):
-        with _raises(TypeError, "0", "PrepareModuleInput", "(TwoInputs)", "input 0", f"received {kind}"):
-            one(value)
+    with _raises(TypeError, "0", "PrepareModuleInput", "(TwoInputs)", "input 0", f"received {kind}"):
+        one(value)
 
+
+@on_ranks(2)
+def test_non_tensor_later_or_keyword_input_with_a_layout_raises_naming_its_position():
     two = nn.Sequential(TwoInputs())
     layouts = (Replicate(), Replicate())
     parallelize_module(
@@ -209,17 +224,17 @@ def _non_tensor_inputs():
     with _raises(TypeError, "0", "input 'mask'", "received int"):
         two[0](x, x, mask=7)
 
+
+@on_ranks(2)
+def test_non_tensor_input_to_a_colwise_linear_raises_naming_path_and_position():
     lin = nn.Sequential(nn.Linear(4, 4))
     parallelize_module(lin, tp_mesh(), {"0": ColwiseParallel()})
     with _raises(TypeError, "0", "ColwiseParallel", "(Linear)", "input 0", "received int"):
         lin(5)
 
 
-def test_non_tensor_input_with_a_layout_raises_type_error_at_forward_naming_path_and_position():
-    run_on_ranks(_non_tensor_inputs, 2)
-
-
-def _wrong_input_count():
+@on_ranks(2)
+def test_wrong_number_of_positional_inputs_raises_value_error_naming_path():
     model = nn.Sequential(TwoInputs())
     parallelize_module(
         model, tp_mesh(), {"0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))}
@@ -238,14 +253,11 @@ def _wrong_input_count():
     torch.testing.assert_close(model[0](x, None), model[0].lin(x))
 
 
-def test_wrong_number_of_positional_inputs_raises_value_error_naming_path():
-    run_on_ranks(_wrong_input_count, 2)
-
-
 # ---------------------------------------------------------------------------- meshes
 
 
-def _block_on_2d_mesh():
+@on_ranks(4)
+def test_2d_mesh_without_a_chosen_dim_raises_and_its_tp_submesh_matches_single_process():
     torch.manual_seed(0)
     reference = TransformerBlock(ARGS)
     block = copy.deepcopy(reference)
@@ -264,21 +276,23 @@ def _block_on_2d_mesh():
     torch.testing.assert_close(out, ref_out, **TOL)
     out.pow(2).sum().backward()
     ref_out.pow(2).sum().backward()
-    for (name, param), ref_param in zip(block.named_parameters(), reference.parameters()):
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        torch.testing.assert_close(grad, ref_param.grad, **TOL, msg=lambda m: f"grad {name}: {m}")
+    assert_params_and_grads_match(block, reference, **TOL, params=False)
 
 
-def test_2d_mesh_without_a_chosen_dim_raises_and_its_tp_submesh_matches_single_process():
-    run_on_ranks(_block_on_2d_mesh, 4)
+# A missing plan or a missing mesh fails before any mesh is used: no ranks needed.
 
 
-def _no_plan_or_no_mesh():
+def test_missing_plan_warns_and_changes_nothing_as_upstream():
     model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="needs a parallelize_plan"):
-        parallelize_module(model, tp_mesh(), None)
-    with pytest.raises(ValueError, match="parallelize_plan"):
-        parallelize_module(model, tp_mesh())
+    with pytest.warns(UserWarning, match="no parallelize_plan, so it changes nothing"):
+        assert parallelize_module(model, None, None) is model
+    with pytest.warns(UserWarning, match="no parallelize_plan"):
+        assert parallelize_module(model) is model
+    assert _no_dtensor_params(model)
+
+
+def test_missing_mesh_raises_value_error_saying_how_to_pass_one():
+    model = nn.Sequential(nn.Linear(4, 4))
     assert not _mesh_resources.mesh_stack, "a mesh was left active by an earlier test"
     with pytest.raises(ValueError, match="device_mesh=None and no mesh is active") as info:
         parallelize_module(model, None, {"0": ColwiseParallel()})
@@ -286,11 +300,8 @@ def _no_plan_or_no_mesh():
     assert _no_dtensor_params(model)
 
 
-def test_missing_plan_or_missing_mesh_raises_value_error():
-    run_on_ranks(_no_plan_or_no_mesh, 2)
-
-
-def _mesh_from_context():
+@on_ranks(2)
+def test_active_mesh_context_is_used_when_device_mesh_is_none():
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     model = copy.deepcopy(reference)
@@ -304,33 +315,42 @@ def _mesh_from_context():
     torch.testing.assert_close(model(x), reference(x), **TOL)
 
 
-def test_active_mesh_context_is_used_when_device_mesh_is_none():
-    run_on_ranks(_mesh_from_context, 2)
-
-
 # ------------------------------------------------------------------- parameter sizes
 
 
-def _too_small():
+# case: (plan, path, phrases of the ValueError) for Tiny on 4 ranks
+_TOO_SMALL = {
+    "colwise_linear": (
+        {"proj": ColwiseParallel()}, "proj",
+        ("ColwiseParallel cannot shard", "(Linear).weight", "(2, 8)", "size 2", "4 ranks"),
+    ),
+    "colwise_embedding": (
+        {"emb": ColwiseParallel()}, "emb", ("ColwiseParallel", "(Embedding).weight", "(10, 2)", "on dim 1", "size 2"),
+    ),
+    "rowwise_linear": (
+        {"down": RowwiseParallel()}, "down", ("RowwiseParallel cannot shard", "(8, 2)", "on dim 1", "size 2"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_TOO_SMALL))
+@on_ranks(4)
+def test_parameter_too_small_to_shard_raises_naming_path_and_sizes(case):
+    plan, path, phrases = _TOO_SMALL[case]
+    _assert_rejected(Tiny(), plan, ValueError, path, phrases)
+
+
+@on_ranks(4)
+def test_the_transposed_choices_of_too_small_parameters_shard_on_4_ranks():
+    # 8 >= 4 features; 10 rows over 4 ranks: 3, 3, 3, 1.
     model = Tiny()
-    with _raises(ValueError, "proj", "ColwiseParallel cannot shard", "(Linear).weight", "(2, 8)", "size 2", "4 ranks"):
-        parallelize_module(model, tp_mesh(), {"proj": ColwiseParallel()})
-    with _raises(ValueError, "emb", "ColwiseParallel", "(Embedding).weight", "(10, 2)", "on dim 1", "size 2"):
-        parallelize_module(model, tp_mesh(), {"emb": ColwiseParallel()})
-    with _raises(ValueError, "down", "RowwiseParallel cannot shard", "(8, 2)", "on dim 1", "size 2"):
-        parallelize_module(model, tp_mesh(), {"down": RowwiseParallel()})
-    assert _no_dtensor_params(model)
-    # The transposed choices have room on every rank (8 >= 4; 10 rows over 4 ranks: 3, 3, 3, 1).
     plan = {"proj": RowwiseParallel(), "emb": RowwiseParallel(), "down": ColwiseParallel()}
     parallelize_module(model, tp_mesh(), plan)
     assert model.emb.weight.shape == (10, 2)
 
 
-def test_parameter_too_small_to_shard_raises_naming_path_and_sizes():
-    run_on_ranks(_too_small, 4)
-
-
-def _twice():
+@on_ranks(2)
+def test_parallelizing_a_module_twice_raises_already_a_dtensor():
     block = TransformerBlock(ARGS)
     plan = block_tensor_parallel_plan(sequence_parallel=True)
     parallelize_module(block, tp_mesh(), plan)
@@ -345,11 +365,8 @@ def _twice():
         parallelize_module(block, tp_mesh(), {"ffn_norm": SequenceParallel()})
 
 
-def test_parallelizing_a_module_twice_raises_already_a_dtensor():
-    run_on_ranks(_twice, 2)
-
-
-def _prepare_twice():
+@on_ranks(2)
+def test_preparing_a_module_input_twice_raises_instead_of_stacking_hooks():
     module = nn.Identity()
     style = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)
     parallelize_module(module, tp_mesh(), style)
@@ -364,10 +381,6 @@ def _prepare_twice():
     assert module(torch.ones(1, 4)).shape == (1, 4 * dist.get_world_size())
 
 
-def test_preparing_a_module_input_twice_raises_instead_of_stacking_hooks():
-    run_on_ranks(_prepare_twice, 2)
-
-
 # ---------------------------------------------------------- rejected plans change nothing
 
 _BAD_SECOND_KEYS = {
@@ -378,13 +391,13 @@ _BAD_SECOND_KEYS = {
 }
 
 
-def _rejected_plan(case):
-    bad_key, exc_type, path = _BAD_SECOND_KEYS[case]
+def _assert_block_rejected_untouched(second_key, exc_type, path, *phrases):
+    """A plan whose first key is valid and whose second is ``second_key`` is refused as a whole."""
     torch.manual_seed(0)
     reference = TransformerBlock(ARGS)
     block = copy.deepcopy(reference)
-    plan = {"attention.wq": ColwiseParallel(), **bad_key}
-    with _raises(exc_type, path):
+    plan = {"attention.wq": ColwiseParallel(), **second_key}
+    with _raises(exc_type, path, *phrases):
         parallelize_module(block, tp_mesh(), plan)
     assert _no_dtensor_params(block), [n for n, p in block.named_parameters() if isinstance(p, DTensor)]
     assert _no_hooks(block)
@@ -393,21 +406,12 @@ def _rejected_plan(case):
 
 
 @pytest.mark.parametrize("case", sorted(_BAD_SECOND_KEYS))
+@on_ranks(2)
 def test_rejected_plan_leaves_the_model_untouched(case):
-    run_on_ranks(_rejected_plan, 2, case)
+    _assert_block_rejected_untouched(*_BAD_SECOND_KEYS[case])
 
 
-def _rejected_plan_with_upstream_style():
-    torch.manual_seed(0)
-    reference = TransformerBlock(ARGS)
-    block = copy.deepcopy(reference)
-    plan = {"attention.wq": ColwiseParallel(), "feed_forward": UpstreamColwiseParallel()}
-    with _raises(NotImplementedError, "feed_forward", "(FeedForward)"):
-        parallelize_module(block, tp_mesh(), plan)
-    # Returned rather than asserted here, so the expected failure does not cost a pool respawn.
-    return [n for n, p in block.named_parameters() if isinstance(p, DTensor)], _no_hooks(block)
-
-
+@on_ranks(2)
 def test_rejected_plan_with_an_upstream_style_leaves_the_model_untouched():
-    for dtensor_params, no_hooks in run_on_ranks(_rejected_plan_with_upstream_style, 2):
-        assert dtensor_params == [] and no_hooks
+    _assert_block_rejected_untouched({"feed_forward": UpstreamColwiseParallel()}, NotImplementedError,
+                                     "feed_forward", "(FeedForward)")

@@ -10,7 +10,7 @@ from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.parallel.explain import shard_sizes
 from torch_tp.parallel.plan import resolve_plan
-from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import on_ranks, tp_mesh
 
 # vocab 100 does not divide by 8 ranks: the embedding and output head are uneven.
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=8, vocab_size=100, ffn_hidden=96)
@@ -92,7 +92,8 @@ def test_explain_with_replicate_unplanned_params_shows_replicate():
     assert {row.placement for row in report if row.style == "-"} == {Replicate()}
 
 
-def _explained_vs_measured():
+@on_ranks(2, 4)
+def test_explained_local_shapes_and_bytes_equal_what_parallelize_module_allocates():
     torch.manual_seed(0)
     model = Transformer(ARGS)
     report = explain_plan(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True))
@@ -101,10 +102,5 @@ def _explained_vs_measured():
     measured = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
     nbytes = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
     predicted = {row.path: row.local_shapes[rank] for row in report if row.name}
-    return measured == predicted, nbytes, report.bytes_per_rank()[rank]
-
-
-@world_sizes(2, 4)
-def test_explained_local_shapes_and_bytes_equal_what_parallelize_module_allocates(world_size):
-    for shapes_match, measured, predicted in run_on_ranks(_explained_vs_measured, world_size):
-        assert shapes_match and measured == predicted
+    assert measured == predicted
+    assert nbytes == report.bytes_per_rank()[rank]

@@ -9,11 +9,18 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch_tp import parallelize_module
-from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import assert_params_and_grads_match, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.models.llama import tensor_parallel_plan
+from torch_tp.testing import (
+    TOL,
+    assert_training_step_matches,
+    run_on_ranks,
+    small_llama,
+    small_llama_args,
+    tp_mesh,
+    world_sizes,
+)
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
-TOL = dict(rtol=1e-5, atol=1e-5)
+VOCAB = small_llama_args().vocab_size
 
 
 def _loss(logits, targets):
@@ -21,8 +28,7 @@ def _loss(logits, targets):
 
 
 def _train_and_compare(sequence_parallel, steps=3):
-    torch.manual_seed(0)
-    reference = Transformer(ARGS)
+    reference = small_llama(seed=0)
     model = copy.deepcopy(reference)
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     # SGD is linear in the gradient, so float32 reduction-order noise (~1e-6) stays that
@@ -31,16 +37,9 @@ def _train_and_compare(sequence_parallel, steps=3):
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps + 1):
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-        targets = torch.randint(0, ARGS.vocab_size, (2, 8))
-        logits, ref_logits = model(tokens), reference(tokens)
-        torch.testing.assert_close(logits, ref_logits, **TOL)
-        loss, ref_loss = _loss(logits, targets), _loss(ref_logits, targets)
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        loss.backward()
-        ref_loss.backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        losses.append(loss.item())
+        tokens = torch.randint(0, VOCAB, (2, 8))
+        targets = torch.randint(0, VOCAB, (2, 8))
+        losses.append(assert_training_step_matches(model, reference, tokens, targets, _loss, **TOL, what=f"step {step}"))
         if step < steps:
             optimizer.step()
             ref_optimizer.step()
@@ -64,7 +63,7 @@ def test_sequence_parallel_llama_matches_single_process_through_3_steps(world_si
 
 
 def _parameter_placements(sequence_parallel):
-    model = Transformer(ARGS)
+    model = small_llama()
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     return {
         name: (str(p.placements[0]), tuple(p.to_local().shape))

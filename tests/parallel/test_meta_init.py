@@ -7,11 +7,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torch_tp import explain_plan, init_parameters, parallelize_module
-from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+from torch_tp.models.llama import Transformer, tensor_parallel_plan
+from torch_tp.testing import TOL, run_on_ranks, small_llama_args, tp_mesh, world_sizes
 
-# vocab 100 is uneven on 4 ranks (25 each) -- fine -- and on 8 it would be 13,...,9.
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=100, ffn_hidden=48)
+# vocab 100 is uneven on 8 ranks (13,...,9) and divides by 2 and 4 (50, 25 each).
+ARGS = small_llama_args(vocab_size=100)
 
 
 def _init_weights(module):
@@ -47,7 +47,7 @@ def _meta_parallelize_materialize(sequence_parallel, init_fn):
         assert torch.equal(p.full_tensor(), ref), name
     assert torch.equal(model.rope, reference.rope)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-    torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(tokens), reference(tokens), **TOL)
     return stored
 
 

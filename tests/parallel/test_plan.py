@@ -5,8 +5,9 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
+from torch_tp.models.llama import tensor_parallel_plan
 from torch_tp.parallel.plan import match_pattern, resolve_plan
+from torch_tp.testing import small_llama
 
 
 class SelfAttention(nn.Module):
@@ -45,7 +46,7 @@ def test_leading_star_crosses_dots():
 
 
 def test_inner_star_and_character_class():
-    model = Transformer(ModelArgs(n_layers=2))
+    model = small_llama()
     entries = resolve_plan(model, {"layers.*.feed_forward.w[13]": ColwiseParallel()})
     assert paths(entries) == [
         "layers.0.feed_forward.w1",
@@ -77,7 +78,7 @@ def test_unmatched_plan_key_raises_with_pattern_and_closest_paths():
 
 
 def test_unmatched_exact_key_raises_with_closest_paths():
-    model = Transformer(ModelArgs(n_layers=2))
+    model = small_llama()
     with pytest.raises(ValueError, match=r"'layers\.0\.attention\.wqq'.*layers\.0\.attention\.wq"):
         resolve_plan(model, {"layers.0.attention.wqq": ColwiseParallel()})
 
@@ -102,12 +103,11 @@ def test_non_style_value_and_non_string_key_raise_type_error():
         resolve_plan(bert_like(), ["encoder"])
 
 
-def test_documented_llama_plan_matches_every_key():
-    model = Transformer(ModelArgs(n_layers=2))
-    for sequence_parallel in (False, True):
-        entries = resolve_plan(model, tensor_parallel_plan(sequence_parallel=sequence_parallel))
-        assert "layers.1.attention.wk" in paths(entries)
-        assert ("layers.1.ffn_norm" in paths(entries)) == sequence_parallel
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_documented_llama_plan_matches_every_key(sequence_parallel):
+    entries = resolve_plan(small_llama(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
+    assert "layers.1.attention.wk" in paths(entries)
+    assert ("layers.1.ffn_norm" in paths(entries)) == sequence_parallel
 
 
 def test_styles_compare_by_value_and_repr_is_readable():

@@ -1,11 +1,13 @@
 """Every style's arguments, on real gloo ranks, against the single-process module.
 
-Each rank function builds a module, keeps an unsharded copy as reference, parallelizes
-the copy and checks placements, local shapes, outputs and gradients.
+Each test body runs on every rank (``@on_ranks``): it builds a module, keeps an unsharded
+copy as reference, parallelizes the copy and checks placements, local shapes, outputs and
+gradients.
 """
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,15 +23,7 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models.llama import RMSNorm
-from torch_tp.testing import (
-    assert_params_and_grads_match,
-    local_chunk,
-    run_on_ranks,
-    tp_mesh,
-    world_sizes,
-)
-
-TOL = dict(rtol=1e-5, atol=1e-5)
+from torch_tp.testing import TOL, assert_params_and_grads_match, local_chunk, on_ranks, run_on_ranks, tp_mesh
 
 
 def _parallel_copy(module, plan, **kwargs):
@@ -45,40 +39,45 @@ def _assert_grads_match(module, reference):
 # ------------------------------------------------------------------ ColwiseParallel
 
 
-def _colwise_linear_cases():
-    for bias in (True, False):
-        reference = nn.Linear(16, 12, bias=bias)
-        x = torch.randn(3, 5, 16)
-        expected = reference(x)
-
-        default = _parallel_copy(reference, ColwiseParallel())
-        assert default.weight.placements == (Shard(0),)
-        assert default.weight.to_local().shape == local_chunk(reference.weight, 0).shape
-        if bias:
-            assert default.bias.placements == (Shard(0),)
-        out = default(x)
-        assert not isinstance(out, DTensor)  # use_local_output=True: the local last-dim shard
-        torch.testing.assert_close(out, local_chunk(expected, -1), **TOL)
-        out.sum().backward()
-        expected.sum().backward()
-        _assert_grads_match(default, reference)
-        reference.zero_grad()
-
-        as_dtensor = _parallel_copy(reference, ColwiseParallel(use_local_output=False))(x)
-        assert isinstance(as_dtensor, DTensor) and as_dtensor.placements == (Shard(2),)
-        torch.testing.assert_close(as_dtensor.full_tensor(), expected.detach(), **TOL)
-
-        replicated = _parallel_copy(reference, ColwiseParallel(output_layouts=Replicate()))(x)
-        torch.testing.assert_close(replicated, expected.detach(), **TOL)
-
-        # a batch-sharded input is gathered before the matmul
-        batch_sharded = _parallel_copy(reference, ColwiseParallel(input_layouts=Shard(0)))
-        full_x = torch.randn(2 * dist.get_world_size(), 5, 16)
-        out = batch_sharded(local_chunk(full_x, 0))
-        torch.testing.assert_close(out, local_chunk(reference(full_x), -1).detach(), **TOL)
+_BIAS = pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 
 
-def _colwise_embedding_cases():
+@_BIAS
+@on_ranks(2, 4)
+def test_colwise_linear_with_and_without_bias_and_every_layout(bias):
+    reference = nn.Linear(16, 12, bias=bias)
+    x = torch.randn(3, 5, 16)
+    expected = reference(x)
+
+    default = _parallel_copy(reference, ColwiseParallel())
+    assert default.weight.placements == (Shard(0),)
+    assert default.weight.to_local().shape == local_chunk(reference.weight, 0).shape
+    if bias:
+        assert default.bias.placements == (Shard(0),)
+    out = default(x)
+    assert not isinstance(out, DTensor)  # use_local_output=True: the local last-dim shard
+    torch.testing.assert_close(out, local_chunk(expected, -1), **TOL)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(default, reference)
+    reference.zero_grad()
+
+    as_dtensor = _parallel_copy(reference, ColwiseParallel(use_local_output=False))(x)
+    assert isinstance(as_dtensor, DTensor) and as_dtensor.placements == (Shard(2),)
+    torch.testing.assert_close(as_dtensor.full_tensor(), expected.detach(), **TOL)
+
+    replicated = _parallel_copy(reference, ColwiseParallel(output_layouts=Replicate()))(x)
+    torch.testing.assert_close(replicated, expected.detach(), **TOL)
+
+    # a batch-sharded input is gathered before the matmul
+    batch_sharded = _parallel_copy(reference, ColwiseParallel(input_layouts=Shard(0)))
+    full_x = torch.randn(2 * dist.get_world_size(), 5, 16)
+    out = batch_sharded(local_chunk(full_x, 0))
+    torch.testing.assert_close(out, local_chunk(reference(full_x), -1).detach(), **TOL)
+
+
+@on_ranks(2, 4)
+def test_colwise_embedding_shards_the_embedding_dim():
     reference = nn.Embedding(20, 8)
     ids = torch.randint(0, 20, (2, 6))
     expected = reference(ids)
@@ -93,52 +92,44 @@ def _colwise_embedding_cases():
     torch.testing.assert_close(gathered, expected.detach(), **TOL)
 
 
-@world_sizes(2, 4)
-def test_colwise_linear_with_and_without_bias_and_every_layout(world_size):
-    run_on_ranks(_colwise_linear_cases, world_size)
-
-
-@world_sizes(2, 4)
-def test_colwise_embedding_shards_the_embedding_dim(world_size):
-    run_on_ranks(_colwise_embedding_cases, world_size)
-
-
 # ------------------------------------------------------------------ RowwiseParallel
 
 
-def _rowwise_linear_cases():
-    for bias in (True, False):
-        reference = nn.Linear(16, 6, bias=bias)
-        x = torch.randn(3, 5, 16, requires_grad=True)
-        expected = reference(x)
+@_BIAS
+@on_ranks(2, 4)
+def test_rowwise_linear_with_and_without_bias_and_every_layout(bias):
+    reference = nn.Linear(16, 6, bias=bias)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    expected = reference(x)
 
-        sharded = _parallel_copy(reference, RowwiseParallel())
-        assert sharded.weight.placements == (Shard(1),)
-        if bias:
-            assert sharded.bias.placements == (Replicate(),)
-        x_shard = local_chunk(x.detach(), -1).requires_grad_()
-        out = sharded(x_shard)
-        assert not isinstance(out, DTensor)
-        torch.testing.assert_close(out, expected, **TOL)
-        out.sum().backward()
-        expected.sum().backward()
-        _assert_grads_match(sharded, reference)
-        torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, -1), **TOL)
-        reference.zero_grad()
+    sharded = _parallel_copy(reference, RowwiseParallel())
+    assert sharded.weight.placements == (Shard(1),)
+    if bias:
+        assert sharded.bias.placements == (Replicate(),)
+    x_shard = local_chunk(x.detach(), -1).requires_grad_()
+    out = sharded(x_shard)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, expected, **TOL)
+    out.sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(sharded, reference)
+    torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, -1), **TOL)
+    reference.zero_grad()
 
-        dt = _parallel_copy(reference, RowwiseParallel(use_local_output=False))(x_shard)
-        assert isinstance(dt, DTensor) and dt.placements == (Replicate(),)
+    dt = _parallel_copy(reference, RowwiseParallel(use_local_output=False))(x_shard)
+    assert isinstance(dt, DTensor) and dt.placements == (Replicate(),)
 
-        # reduce-scatter onto the sequence dim (sequence parallelism)
-        seq = _parallel_copy(reference, RowwiseParallel(output_layouts=Shard(1)))(x_shard)
-        torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
+    # reduce-scatter onto the sequence dim (sequence parallelism)
+    seq = _parallel_copy(reference, RowwiseParallel(output_layouts=Shard(1)))(x_shard)
+    torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
 
-        # a replicated input is split locally, without communication
-        replicated_in = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate()))(x.detach())
-        torch.testing.assert_close(replicated_in, expected.detach(), **TOL)
+    # a replicated input is split locally, without communication
+    replicated_in = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate()))(x.detach())
+    torch.testing.assert_close(replicated_in, expected.detach(), **TOL)
 
 
-def _rowwise_embedding_cases():
+@on_ranks(2, 4)
+def test_rowwise_embedding_shards_the_vocabulary():
     reference = nn.Embedding(20, 8)
     ids = torch.randint(0, 20, (2, 4 * dist.get_world_size()))
     expected = reference(ids)
@@ -151,16 +142,6 @@ def _rowwise_embedding_cases():
     _assert_grads_match(sharded, reference)
     seq = _parallel_copy(reference, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))(ids)
     torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
-
-
-@world_sizes(2, 4)
-def test_rowwise_linear_with_and_without_bias_and_every_layout(world_size):
-    run_on_ranks(_rowwise_linear_cases, world_size)
-
-
-@world_sizes(2, 4)
-def test_rowwise_embedding_shards_the_vocabulary(world_size):
-    run_on_ranks(_rowwise_embedding_cases, world_size)
 
 
 # ------------------------------------------------------------------ uneven shards
@@ -190,34 +171,44 @@ def test_uneven_colwise_output_survives_use_local_output_into_rowwise():
 # ------------------------------------------------------------------ SequenceParallel
 
 
-def _sequence_parallel_cases():
+_SEQUENCE_LOCAL_MODULES = {
+    "layernorm": lambda: nn.LayerNorm(8),
+    "torch_rmsnorm": lambda: nn.RMSNorm(8),
+    "user_rmsnorm": lambda: RMSNorm(8),
+    "dropout": lambda: nn.Dropout(p=0.0),
+}
+
+
+@pytest.mark.parametrize("module", list(_SEQUENCE_LOCAL_MODULES))
+@pytest.mark.parametrize("sequence_dim", [1, 0])
+@on_ranks(2, 4)
+def test_sequence_parallel_on_layernorm_rmsnorm_user_rmsnorm_and_dropout(module, sequence_dim):
     world = dist.get_world_size()
-    norms = [nn.LayerNorm(8), nn.RMSNorm(8), RMSNorm(8), nn.Dropout(p=0.0)]
-    for reference in norms:
-        for param in reference.parameters():
-            nn.init.normal_(param)  # a custom init must survive (broadcast, not assumed ones)
-        for sequence_dim in (1, 0):
-            shape = [2, 2] if sequence_dim == 1 else [2 * world, 3]
-            shape[sequence_dim] = 2 * world
-            x = torch.randn(*shape, 8, requires_grad=True)
-            expected = reference(x)
-            sharded = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim))
-            for param in sharded.parameters():
-                assert param.placements == (Replicate(),)
-            x_shard = local_chunk(x.detach(), sequence_dim).requires_grad_()
-            out = sharded(x_shard)
-            assert isinstance(out, DTensor) and out.placements == (Shard(sequence_dim),)
-            torch.testing.assert_close(out.full_tensor(), expected, **TOL)
-            out.to_local().sum().backward()
-            expected.sum().backward()
-            _assert_grads_match(sharded, reference)
-            torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, sequence_dim), **TOL)
-            reference.zero_grad()
-            local = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim, use_local_output=True))
-            assert not isinstance(local(x_shard.detach()), DTensor)
+    reference = _SEQUENCE_LOCAL_MODULES[module]()
+    for param in reference.parameters():
+        nn.init.normal_(param)  # a custom init must survive (broadcast, not assumed ones)
+    shape = [2, 2] if sequence_dim == 1 else [2 * world, 3]
+    shape[sequence_dim] = 2 * world
+    x = torch.randn(*shape, 8, requires_grad=True)
+    expected = reference(x)
+    sharded = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim))
+    for param in sharded.parameters():
+        assert param.placements == (Replicate(),)
+    x_shard = local_chunk(x.detach(), sequence_dim).requires_grad_()
+    out = sharded(x_shard)
+    assert isinstance(out, DTensor) and out.placements == (Shard(sequence_dim),)
+    torch.testing.assert_close(out.full_tensor(), expected, **TOL)
+    out.to_local().sum().backward()
+    expected.sum().backward()
+    _assert_grads_match(sharded, reference)
+    torch.testing.assert_close(x_shard.grad, local_chunk(x.grad, sequence_dim), **TOL)
+    reference.zero_grad()
+    local = _parallel_copy(reference, SequenceParallel(sequence_dim=sequence_dim, use_local_output=True))
+    assert not isinstance(local(x_shard.detach()), DTensor)
 
 
-def _sequence_parallel_redistributes_a_dtensor_input():
+@on_ranks(2)
+def test_sequence_parallel_redistributes_a_dtensor_input_to_the_sequence_dim():
     reference = nn.LayerNorm(8)
     x = torch.randn(2, 4 * dist.get_world_size(), 8)
     sharded = _parallel_copy(reference, SequenceParallel())
@@ -225,15 +216,6 @@ def _sequence_parallel_redistributes_a_dtensor_input():
     out = sharded(replicated)
     assert out.placements == (Shard(1),)
     torch.testing.assert_close(out.full_tensor(), reference(x).detach(), **TOL)
-
-
-@world_sizes(2, 4)
-def test_sequence_parallel_on_layernorm_rmsnorm_user_rmsnorm_and_dropout(world_size):
-    run_on_ranks(_sequence_parallel_cases, world_size)
-
-
-def test_sequence_parallel_redistributes_a_dtensor_input_to_the_sequence_dim():
-    run_on_ranks(_sequence_parallel_redistributes_a_dtensor_input, 2)
 
 
 # ------------------------------------------------------------------ PrepareModule*
@@ -250,7 +232,8 @@ class TakesMixedArgs(nn.Module):
         return x * scale + y, scale, mask
 
 
-def _prepare_input_positional_with_placeholders():
+@on_ranks(2, 4)
+def test_prepare_module_input_positional_layouts_with_none_placeholders():
     world = dist.get_world_size()
     module = TakesMixedArgs()
     style = PrepareModuleInput(
@@ -266,7 +249,8 @@ def _prepare_input_positional_with_placeholders():
     torch.testing.assert_close(out.full_tensor(), full_x * 3.0 + 1.0)
 
 
-def _prepare_input_kwargs_and_local_output():
+@on_ranks(2)
+def test_prepare_module_input_kwarg_layouts_and_use_local_output():
     world = dist.get_world_size()
     module = TakesMixedArgs()
     style = PrepareModuleInput(
@@ -288,7 +272,8 @@ class TwoOutputs(nn.Module):
         return x * 2, "label", x + 1
 
 
-def _prepare_output_cases():
+@on_ranks(2, 4)
+def test_prepare_module_output_tuple_and_single_outputs():
     world = dist.get_world_size()
     full = torch.arange(4.0 * world).reshape(2 * world, 2)
     module = TwoOutputs()
@@ -310,7 +295,8 @@ def _prepare_output_cases():
     torch.testing.assert_close(out.to_local(), full)
 
 
-def _prepare_input_output_cases():
+@on_ranks(2)
+def test_prepare_module_input_output_gathers_input_and_scatters_output():
     world = dist.get_world_size()
     full = torch.randn(2, 2 * world, 4)
     reference = nn.Linear(4, 4)
@@ -322,21 +308,3 @@ def _prepare_input_output_cases():
     out = module(local_chunk(full, 1))
     assert not isinstance(out, DTensor)
     torch.testing.assert_close(out, local_chunk(reference(full), 1).detach(), **TOL)
-
-
-@world_sizes(2, 4)
-def test_prepare_module_input_positional_layouts_with_none_placeholders(world_size):
-    run_on_ranks(_prepare_input_positional_with_placeholders, world_size)
-
-
-def test_prepare_module_input_kwarg_layouts_and_use_local_output():
-    run_on_ranks(_prepare_input_kwargs_and_local_output, 2)
-
-
-@world_sizes(2, 4)
-def test_prepare_module_output_tuple_and_single_outputs(world_size):
-    run_on_ranks(_prepare_output_cases, world_size)
-
-
-def test_prepare_module_input_output_gathers_input_and_scatters_output():
-    run_on_ranks(_prepare_input_output_cases, 2)

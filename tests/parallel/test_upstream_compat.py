@@ -29,17 +29,20 @@ from torch_tp import (
     SequenceParallel,
     parallelize_module,
 )
-from torch_tp.models.llama import (
-    ModelArgs,
-    RMSNorm,
-    TransformerBlock,
-    block_tensor_parallel_plan,
-    rotary_table,
+from torch_tp.models.llama import RMSNorm, TransformerBlock, block_tensor_parallel_plan, rotary_table
+from torch_tp.testing import (
+    TOL,
+    full_tensor,
+    on_ranks,
+    rank,
+    run_on_ranks,
+    small_llama_args,
+    tp_mesh,
+    world_size,
+    world_sizes,
 )
-from torch_tp.testing import full_tensor, rank, run_on_ranks, tp_mesh, world_size, world_sizes
 
-ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
-TOL = dict(rtol=1e-5, atol=1e-5)
+ARGS = small_llama_args(n_layers=1)
 STYLE_NAMES = [
     "ColwiseParallel",
     "RowwiseParallel",
@@ -104,7 +107,13 @@ def _check_block(block, reference, x, rope, sequence_parallel, what):
 # -------------------------------------------- upstream parallelize_module, torch_tp styles
 
 
-def _upstream_applies_torch_tp_styles(sequence_parallel):
+_TP_AND_SP = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+_SRC_DATA_RANKS = pytest.mark.parametrize("src_data_rank", [0, None], ids=["src0", "srcNone"])
+
+
+@_TP_AND_SP
+@on_ranks(2, 4)
+def test_upstream_parallelize_module_applies_torch_tp_styles_like_torch_tp(sequence_parallel):
     torch.manual_seed(0)
     reference = TransformerBlock(ARGS)
     by_upstream, by_torch_tp = copy.deepcopy(reference), copy.deepcopy(reference)
@@ -122,12 +131,6 @@ def _upstream_applies_torch_tp_styles(sequence_parallel):
     out_upstream = _check_block(by_upstream, reference, x, rope, sequence_parallel, "upstream parallelize_module")
     out_torch_tp = _check_block(by_torch_tp, reference, x, rope, sequence_parallel, "torch_tp parallelize_module")
     torch.testing.assert_close(out_upstream, out_torch_tp, rtol=0, atol=0)
-
-
-@world_sizes(2, 4)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_upstream_parallelize_module_applies_torch_tp_styles_like_torch_tp(world_size, sequence_parallel):
-    run_on_ranks(_upstream_applies_torch_tp_styles, world_size, sequence_parallel)
 
 
 # -------------------------------------------- torch_tp parallelize_module, upstream styles
@@ -153,7 +156,9 @@ def _upstream_block_plan(sequence_parallel):
     return plan
 
 
-def _torch_tp_applies_upstream_styles(sequence_parallel):
+@_TP_AND_SP
+@on_ranks(2, 4)
+def test_torch_tp_applies_upstream_styles_via_globs_without_mutating_them(sequence_parallel):
     torch.manual_seed(0)
     reference = TransformerBlock(ARGS)
     block = copy.deepcopy(reference)
@@ -172,16 +177,12 @@ def _torch_tp_applies_upstream_styles(sequence_parallel):
     assert vars(rowwise)["desired_input_layouts"] == (Shard(-1),) and vars(rowwise)["src_data_rank"] is None
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_torch_tp_applies_upstream_styles_via_globs_without_mutating_them(world_size, sequence_parallel):
-    run_on_ranks(_torch_tp_applies_upstream_styles, world_size, sequence_parallel)
-
-
 # ------------------------------------------------------- torch_tp styles are never changed
 
 
-def _torch_tp_styles_unchanged(src_data_rank):
+@_SRC_DATA_RANKS
+@on_ranks(2)
+def test_torch_tp_styles_are_not_mutated_by_parallelize_module(src_data_rank):
     plan = {**_all_styles_plan(torch_tp), **block_tensor_parallel_plan(sequence_parallel=True, prefix="block.")}
     snapshot = _snapshot(plan)
     hashes = [hash(style) for style in plan.values()]
@@ -191,11 +192,6 @@ def _torch_tp_styles_unchanged(src_data_rank):
     _assert_unchanged(snapshot)
     assert [hash(style) for style in plan.values()] == hashes
     assert all("src_data_rank" not in vars(style) for style in plan.values())
-
-
-@pytest.mark.parametrize("src_data_rank", [0, None], ids=["src0", "srcNone"])
-def test_torch_tp_styles_are_not_mutated_by_parallelize_module(src_data_rank):
-    run_on_ranks(_torch_tp_styles_unchanged, 2, src_data_rank)
 
 
 # ------------------------------------------------------------------------ src_data_rank
@@ -226,39 +222,35 @@ def _full_local(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _src_data_rank_cases(src_data_rank):
-    cases = {
-        "root_dict_colwise": (nn.Linear(8, 8), {"": ColwiseParallel()}),
-        "root_style_colwise": (nn.Linear(8, 8), ColwiseParallel()),
-        "root_dict_upstream_colwise": (nn.Linear(8, 8), {"": upstream.ColwiseParallel()}),
-        "root_dict_sequence_parallel": (RMSNorm(8), {"": SequenceParallel()}),
-        "nested_colwise": (Nested(), {"block.proj": ColwiseParallel()}),
-        "nested_rowwise": (Nested(), {"block.proj": RowwiseParallel()}),
-        "nested_embedding_rowwise": (Nested(), {"block.emb": RowwiseParallel()}),
-        "nested_glob_colwise": (Nested(), {"*proj": ColwiseParallel()}),
-        "nested_sequence_parallel": (Nested(), {"block.norm": SequenceParallel()}),
-        "nested_upstream_rowwise": (Nested(), {"block.proj": upstream.RowwiseParallel()}),
+# case: (module factory, plan)
+_SRC_DATA_RANK_CASES = {
+    "root_dict_colwise": (lambda: nn.Linear(8, 8), lambda: {"": ColwiseParallel()}),
+    "root_style_colwise": (lambda: nn.Linear(8, 8), lambda: ColwiseParallel()),
+    "root_dict_upstream_colwise": (lambda: nn.Linear(8, 8), lambda: {"": upstream.ColwiseParallel()}),
+    "root_dict_sequence_parallel": (lambda: RMSNorm(8), lambda: {"": SequenceParallel()}),
+    "nested_colwise": (Nested, lambda: {"block.proj": ColwiseParallel()}),
+    "nested_rowwise": (Nested, lambda: {"block.proj": RowwiseParallel()}),
+    "nested_embedding_rowwise": (Nested, lambda: {"block.emb": RowwiseParallel()}),
+    "nested_glob_colwise": (Nested, lambda: {"*proj": ColwiseParallel()}),
+    "nested_sequence_parallel": (Nested, lambda: {"block.norm": SequenceParallel()}),
+    "nested_upstream_rowwise": (Nested, lambda: {"block.proj": upstream.RowwiseParallel()}),
+}
+
+
+@pytest.mark.parametrize("case", list(_SRC_DATA_RANK_CASES))
+@_SRC_DATA_RANKS
+@on_ranks(2)
+def test_src_data_rank_reaches_every_style_including_the_root_key(src_data_rank, case):
+    build, plan = _SRC_DATA_RANK_CASES[case]
+    module = _filled_with_rank(build())
+    parallelize_module(module, tp_mesh(), plan(), src_data_rank=src_data_rank)
+    placed = {
+        name: values for name, values in _local_values(module).items() if isinstance(module.get_parameter(name), DTensor)
     }
-    results = {}
-    for case, (module, plan) in cases.items():
-        parallelize_module(_filled_with_rank(module), tp_mesh(), plan, src_data_rank=src_data_rank)
-        results[case] = {
-            name: values
-            for name, values in _local_values(module).items()
-            if isinstance(module.get_parameter(name), DTensor)
-        }
-        assert results[case], f"{case}: nothing was parallelized"
-    return results
-
-
-@pytest.mark.parametrize("src_data_rank", [0, None], ids=["src0", "srcNone"])
-def test_src_data_rank_reaches_every_style_including_the_root_key(src_data_rank):
-    per_rank = run_on_ranks(_src_data_rank_cases, 2, src_data_rank)
-    for r, results in enumerate(per_rank):
-        # 0: scattered / broadcast from rank 0; None: every rank keeps its own values.
-        expected = [0.0] if src_data_rank == 0 else [float(r)]
-        for case, params in results.items():
-            assert params == {name: expected for name in params}, (r, case)
+    assert placed, "nothing was parallelized"
+    # 0: scattered / broadcast from rank 0; None: every rank keeps its own values.
+    expected = [0.0] if src_data_rank == 0 else [float(rank())]
+    assert placed == {name: expected for name in placed}
 
 
 # ------------------------------------------------------ upstream code, changed import

@@ -19,28 +19,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torchao import quantize_
 
 from torch_tp import parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.quant import Int8SymmetricTensor, Int8SymmetricWeightConfig
-from torch_tp.testing import run_on_ranks, tp_mesh
+from torch_tp.quant import Int8SymmetricTensor
+from torch_tp.testing import TOL, quantize_weights, run_on_ranks, tolerance, tp_mesh
 
 # Big enough that the int8 payload dominates the ~2 KB each saved tensor costs in
 # torch.save's zip format (12 tensors per rank), small enough to run in well under a second.
 ARGS = ModelArgs(dim=256, n_layers=1, n_heads=4, vocab_size=250, ffn_hidden=171, max_seq_len=16)
 TOKENS = torch.randint(0, ARGS.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
 # Sharded vs unsharded forward: float32 differs only by summation order; bfloat16 rounds
-# partial sums to 8 bits.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+# partial sums to 8 bits (tolerance(dtype)).
 
 
 def _build(seed, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = Transformer(ARGS).to(dtype)
-    quantize_(model, Int8SymmetricWeightConfig(),
-              filter_fn=lambda module, fqn: isinstance(module, (nn.Linear, nn.Embedding)))
-    return model
+    return quantize_weights(Transformer(ARGS).to(dtype))
 
 
 def _float32_bytes(model):
@@ -157,7 +152,7 @@ def test_dcp_checkpoint_of_sharded_quantized_llama_reshards_bit_for_bit(save_ran
     for parts, logits in results:
         _assert_model_matches_reference(parts, reference)
         with torch.no_grad():
-            torch.testing.assert_close(logits, reference(TOKENS), **TOL[dtype])
+            torch.testing.assert_close(logits, reference(TOKENS), **tolerance(dtype))
 
     # int8 on disk: every rank wrote int8 shards, not floats (float32 would be 1.0, bfloat16
     # 0.5; int8 plus scales is ~0.25, plus the per-tensor overhead of the files).
@@ -206,5 +201,5 @@ def test_dcp_checkpoint_of_an_unsharded_model_loads_into_a_sharded_one(tmp_path)
     for parts, logits in run_on_ranks(_load_sharded, 2, str(tmp_path), torch.float32, False):
         _assert_model_matches_reference(parts, reference)
         with torch.no_grad():
-            torch.testing.assert_close(logits, reference(TOKENS), **TOL[torch.float32])
+            torch.testing.assert_close(logits, reference(TOKENS), **TOL)
 

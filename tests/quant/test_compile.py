@@ -32,31 +32,21 @@ import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.quant import Int8SymmetricTensor, quantize_module_weight
-from torch_tp.testing import run_on_ranks, tp_mesh, world_sizes
+from torch_tp.models.llama import tensor_parallel_plan
+from torch_tp.quant import Int8SymmetricTensor
+from torch_tp.testing import TOL, quantize_weights, run_on_ranks, small_llama, small_llama_args, tp_mesh
 
 BACKENDS = ("aot_eager", "inductor")
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
-LLAMA_ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16)
+# compiled vs eager; bfloat16: inductor computes the pointwise tail in float32, one rounding step
+COMPILED_TOL = {torch.float32: TOL, torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+VOCAB = small_llama_args().vocab_size
 aten = torch.ops.aten
 # torch's own import of inductor warns about torch.jit.script_method; nothing to act on here
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def _quantized_mlp(dtype=torch.float32):
-    model = nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)).to(dtype)
-    for index in (0, 2):
-        quantize_module_weight(model[index])
-    return model
-
-
-def _quantized_llama():
-    model = Transformer(LLAMA_ARGS)
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            quantize_module_weight(module)
-    return model
+    return quantize_weights(nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)).to(dtype))
 
 
 def _compile_settings():
@@ -84,7 +74,7 @@ def _assert_compiled_matches_eager(model, inputs_list, backends, dtype=torch.flo
             for inputs, want in zip(inputs_list, expected):  # later inputs reuse the compiled graph
                 got = compiled(*inputs)
                 assert got.dtype == want.dtype
-                torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, b=backend: f"{b}: {m}")
+                torch.testing.assert_close(got, want, **COMPILED_TOL[dtype], msg=lambda m, b=backend: f"{b}: {m}")
                 outputs.append(got)
         _assert_no_graph_break(model, *inputs_list[0])
     return outputs
@@ -131,7 +121,7 @@ def test_compiled_float32_mlp_keeps_the_weights_int8_in_the_graph():
     model, graphs, x = _quantized_mlp(), [], torch.randn(4, 16)
     with torch.no_grad():
         got = _compile(model, _recording_aot_eager(graphs))(x)
-        torch.testing.assert_close(got, model(x), **TOL[torch.float32])
+        torch.testing.assert_close(got, model(x), **TOL)
     # one int8 x float32 matmul per Linear, and nothing turns a weight back into float
     assert len(_int8_packed_matmuls(graphs)) == 2
     assert not any(node.target is aten.mm.default for gm in graphs for node in gm.graph.nodes)
@@ -156,7 +146,7 @@ def test_compiled_function_takes_and_returns_int8_tensors(backend):
     with no_cache, one_thread:
         got = _compile(_views_and_copies, backend)(q, x)
     want = _views_and_copies(q, x)
-    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    torch.testing.assert_close(got[0], want[0], **TOL)
     for g, w in zip(got[1:], want[1:]):
         assert type(g) is Int8SymmetricTensor and (g.shape, g.dtype) == (w.shape, w.dtype)
         assert torch.equal(g.qdata, w.qdata) and torch.equal(g.scale, w.scale)
@@ -220,25 +210,26 @@ def _sharded_mlp_case(backends, dtype):
     return _assert_compiled_matches_eager(model, inputs, backends, dtype)
 
 
-@world_sizes(2, 4)
-def test_compiled_sharded_quantized_mlp_matches_eager(world_size):
-    # world size 4 puts 4 ranks on the machine's cores: aot_eager only, to keep it short
-    backends = BACKENDS if world_size == 2 else ("aot_eager",)
-    dtypes = (torch.float32, torch.bfloat16) if world_size == 2 else (torch.float32,)
-    for dtype in dtypes:
-        outputs = run_on_ranks(_sharded_mlp_case, world_size, backends, dtype)
-        for rank_outputs in outputs[1:]:  # the output is replicated: every rank has it
-            for got, want in zip(rank_outputs, outputs[0]):
-                assert torch.equal(got, want)
+# world size 4 puts 4 ranks on the machine's cores: float32 and aot_eager only, to keep it short
+@pytest.mark.parametrize(
+    "world_size, dtype, backends",
+    [(2, torch.float32, BACKENDS), (2, torch.bfloat16, BACKENDS), (4, torch.float32, ("aot_eager",))],
+    ids=["ws2-float32", "ws2-bfloat16", "ws4-float32-aot_eager"],
+)
+def test_compiled_sharded_quantized_mlp_matches_eager(world_size, dtype, backends):
+    outputs = run_on_ranks(_sharded_mlp_case, world_size, backends, dtype)
+    for rank_outputs in outputs[1:]:  # the output is replicated: every rank has it
+        for got, want in zip(rank_outputs, outputs[0]):
+            assert torch.equal(got, want)
 
 
 def _sharded_llama_case(sequence_parallel):
     torch._dynamo.reset()
-    model = _quantized_llama()
+    model = quantize_weights(small_llama(n_layers=1))
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     assert isinstance(model.layers[0].attention.wq.weight.to_local(), Int8SymmetricTensor)
     assert isinstance(model.tok_embeddings.weight.to_local(), Int8SymmetricTensor)
-    tokens = [(torch.randint(0, LLAMA_ARGS.vocab_size, (2, 8)),) for _ in range(2)]
+    tokens = [(torch.randint(0, VOCAB, (2, 8)),) for _ in range(2)]
     return _assert_compiled_matches_eager(model, tokens, BACKENDS)
 
 

@@ -2,7 +2,8 @@
 
 For quantized weights the reference is the *unsharded quantized* model: where no reduction
 is involved the sharded result is bit-identical; where rowwise layers sum partial results
-float32 agrees to 1e-5 and bfloat16 to its own rounding (8-bit mantissa, see TOL).
+float32 agrees to 1e-5 and bfloat16 to its own rounding (8-bit mantissa, see
+``torch_tp.testing.tolerance``).
 """
 
 import copy
@@ -17,19 +18,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor, quantize_module_weight
-from torch_tp.testing import comm_counts, local_chunk, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import TOL, comm_counts, local_chunk, on_ranks, quantize_weights, tolerance, tp_mesh
 
 # Sharded vs unsharded quantized: float32 differs only by summation order; bfloat16 sums
-# partial results rounded to 8 bits, so it gets bfloat16-sized tolerances.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _quantize(model):
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            quantize_module_weight(module)
-    return model
+# partial results rounded to 8 bits, so it gets bfloat16-sized tolerances (tolerance(dtype)).
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 
 
 def _relative_error(a, b):
@@ -39,82 +32,69 @@ def _relative_error(a, b):
 # ------------------------------------------------------------------ distribute / from_local / full
 
 
-def _distribute_every_way(rows, cols):
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=["rows", "features", "replicate"])
+@pytest.mark.parametrize("src", [0, None], ids=["src0", "srcNone"])
+@pytest.mark.parametrize("shape", [(8, 16), (10, 18)], ids=["even", "uneven"])
+@on_ranks(2, 4)
+def test_distribute_tensor_shards_rows_features_or_replicates_with_and_without_src_rank(shape, src, placement):
+    rows, cols = shape
     torch.manual_seed(dist.get_rank())  # rank-dependent values: src_data_rank decides who wins
     w = torch.randn(rows, cols)
     mine = Int8SymmetricTensor.from_hp(w).dequantize()
-    from_rank0 = [mine.clone()]
-    dist.broadcast(from_rank0[0], src=0)
-    for placement in (Shard(0), Shard(1), Replicate()):
-        for src in (0, None):
-            # fresh each time: replicating with src_data_rank broadcasts into the input in
-            # place (DTensor does the same to plain tensors)
-            q = Int8SymmetricTensor.from_hp(w)
-            d = distribute_tensor(q, tp_mesh(), [placement], src_data_rank=src)
-            local = d.to_local()
-            assert isinstance(local, Int8SymmetricTensor), (placement, src)
-            source = from_rank0[0] if src == 0 else mine
-            expected = source if isinstance(placement, Replicate) else local_chunk(source, placement.dim)
-            assert local.shape == expected.shape, (placement, src, local.shape)
-            if isinstance(placement, Shard) and placement.dim == 1:
-                assert local.scale.shape == (rows, 1)  # feature split: every row keeps its scale
-            torch.testing.assert_close(local.dequantize(), expected, rtol=0, atol=0)
-            if src == 0:
-                full = d.full_tensor()
-                assert isinstance(full, Int8SymmetricTensor)
-                torch.testing.assert_close(full.dequantize(), from_rank0[0], rtol=0, atol=0)
+    from_rank0 = mine.clone()
+    dist.broadcast(from_rank0, src=0)
+    # replicating with src_data_rank broadcasts into the input in place (DTensor does the
+    # same to plain tensors): quantize again rather than reuse the one behind ``mine``
+    q = Int8SymmetricTensor.from_hp(w)
+    d = distribute_tensor(q, tp_mesh(), [placement], src_data_rank=src)
+    local = d.to_local()
+    assert isinstance(local, Int8SymmetricTensor)
+    source = from_rank0 if src == 0 else mine
+    expected = source if isinstance(placement, Replicate) else local_chunk(source, placement.dim)
+    assert local.shape == expected.shape, local.shape
+    if isinstance(placement, Shard) and placement.dim == 1:
+        assert local.scale.shape == (rows, 1)  # feature split: every row keeps its scale
+    torch.testing.assert_close(local.dequantize(), expected, rtol=0, atol=0)
+    if src == 0:
+        full = d.full_tensor()
+        assert isinstance(full, Int8SymmetricTensor)
+        torch.testing.assert_close(full.dequantize(), from_rank0, rtol=0, atol=0)
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("shape", [(8, 16), (10, 18)], ids=["even", "uneven"])
-def test_distribute_tensor_shards_rows_features_or_replicates_with_and_without_src_rank(world_size, shape):
-    run_on_ranks(_distribute_every_way, world_size, *shape)
-
-
-def _from_local_then_full():
+@pytest.mark.parametrize("dim", [0, 1])
+@on_ranks(2, 4)
+def test_from_local_shards_rebuild_the_exact_quantized_weight(dim):
     q = Int8SymmetricTensor.from_hp(torch.randn(10, 16))
-    for dim in (0, 1):
-        local = torch.chunk(q, dist.get_world_size(), dim=dim)[dist.get_rank()]
-        d = DTensor.from_local(local, tp_mesh(), [Shard(dim)], shape=q.shape, stride=q.stride())
-        assert d.shape == q.shape
-        torch.testing.assert_close(d.full_tensor().dequantize(), q.dequantize(), rtol=0, atol=0)
+    local = torch.chunk(q, dist.get_world_size(), dim=dim)[dist.get_rank()]
+    d = DTensor.from_local(local, tp_mesh(), [Shard(dim)], shape=q.shape, stride=q.stride())
+    assert d.shape == q.shape
+    torch.testing.assert_close(d.full_tensor().dequantize(), q.dequantize(), rtol=0, atol=0)
 
 
-@world_sizes(2, 4)
-def test_from_local_shards_rebuild_the_exact_quantized_weight(world_size):
-    run_on_ranks(_from_local_then_full, world_size)
-
-
+@on_ranks(2)
 def test_quantizing_an_already_parallelized_weight_is_a_clear_error():
-    run_on_ranks(_quantize_after_parallelize, 2)
-
-
-def _quantize_after_parallelize():
     layer = parallelize_module(nn.Linear(8, 4), tp_mesh(), ColwiseParallel())
     with pytest.raises(TypeError, match="already a DTensor .* quantize the model first"):
         quantize_module_weight(layer)
 
 
-def _sharded_backward_matches():
+@on_ranks(2, 4)
+def test_gradients_reach_activations_and_biases_through_sharded_quantized_layers():
     torch.manual_seed(0)
-    quantized = _quantize(nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)))
+    quantized = quantize_weights(nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)))
     sharded = parallelize_module(copy.deepcopy(quantized), tp_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(3, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     sharded(x).pow(2).sum().backward()
     quantized(x_ref).pow(2).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[torch.float32])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
     for (name, p), (_, ref) in zip(sharded.named_parameters(), quantized.named_parameters()):
         if p.requires_grad:  # biases train; int8 weights are frozen
-            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **TOL[torch.float32], msg=name)
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **TOL, msg=name)
 
 
-@world_sizes(2, 4)
-def test_gradients_reach_activations_and_biases_through_sharded_quantized_layers(world_size):
-    run_on_ranks(_sharded_backward_matches, world_size)
-
-
-def _gather_moves_int8():
+@on_ranks(2, 4)
+def test_redistribute_shard_to_replicate_moves_int8_bytes_not_floats():
     q = Int8SymmetricTensor.from_hp(torch.randn(64, 256))
     sharded = distribute_tensor(q, tp_mesh(), [Shard(0)])
     with CommDebugMode() as mode:
@@ -123,22 +103,19 @@ def _gather_moves_int8():
     assert isinstance(gathered, Int8SymmetricTensor) and gathered.qdata.dtype == torch.int8
     torch.testing.assert_close(gathered.dequantize(), q.dequantize(), rtol=0, atol=0)
     received = gathered.qdata.untyped_storage().nbytes() + gathered.scale.untyped_storage().nbytes()
-    return received / (q.numel() * 4)
-
-
-@world_sizes(2, 4)
-def test_redistribute_shard_to_replicate_moves_int8_bytes_not_floats(world_size):
-    for ratio in run_on_ranks(_gather_moves_int8, world_size):
-        assert ratio <= 0.27, ratio  # int8 (0.25x) + one float32 scale per 256-wide row
+    ratio = received / (q.numel() * 4)
+    assert ratio <= 0.27, ratio  # int8 (0.25x) + one float32 scale per 256-wide row
 
 
 # ------------------------------------------------------------------ the TP styles on quantized modules
 
 
-def _mlp_matches(dtype):
+@DTYPES
+@on_ranks(2, 4)
+def test_quantized_colwise_up_rowwise_down_matches_the_unsharded_quantized_mlp(dtype):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16)).to(dtype)
-    quantized = _quantize(copy.deepcopy(mlp))
+    quantized = quantize_weights(copy.deepcopy(mlp))
     sharded = parallelize_module(copy.deepcopy(quantized), tp_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     up = parallelize_module(copy.deepcopy(quantized[0]), tp_mesh(), ColwiseParallel(output_layouts=Replicate()))
     assert isinstance(sharded[0].weight.to_local(), Int8SymmetricTensor)
@@ -147,20 +124,16 @@ def _mlp_matches(dtype):
     # colwise alone involves no reduction: bit-identical to the unsharded quantized layer
     torch.testing.assert_close(up(x), quantized[0](x), rtol=0, atol=0)
     out, ref = sharded(x), quantized(x)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    return _relative_error(ref, mlp(x))
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    error_vs_float = _relative_error(ref, mlp(x))
+    assert error_vs_float <= 1e-2, error_vs_float
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_quantized_colwise_up_rowwise_down_matches_the_unsharded_quantized_mlp(world_size, dtype):
-    for error_vs_float in run_on_ranks(_mlp_matches, world_size, dtype):
-        assert error_vs_float <= 1e-2
-
-
-def _embeddings_match(dtype):
+@DTYPES
+@on_ranks(2, 4)
+def test_quantized_embedding_colwise_and_rowwise_are_bit_identical(dtype):
     torch.manual_seed(0)
-    emb = _quantize(nn.Embedding(20, 8).to(dtype))
+    emb = quantize_weights(nn.Embedding(20, 8).to(dtype))
     ids = torch.randint(0, 20, (2, 8))
     col = parallelize_module(copy.deepcopy(emb), tp_mesh(), ColwiseParallel(output_layouts=Replicate()))
     row = parallelize_module(copy.deepcopy(emb), tp_mesh(), RowwiseParallel())
@@ -168,38 +141,29 @@ def _embeddings_match(dtype):
     torch.testing.assert_close(row(ids), emb(ids), rtol=0, atol=0)  # each id lives on one rank
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_quantized_embedding_colwise_and_rowwise_are_bit_identical(world_size, dtype):
-    run_on_ranks(_embeddings_match, world_size, dtype)
-
-
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=128)
 
 
-def _llama_matches(dtype, sequence_parallel):
+@DTYPES
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@on_ranks(2, 4)
+def test_quantized_llama_matches_unsharded_quantized_and_stays_near_float(dtype, sequence_parallel):
     torch.manual_seed(0)
     model = Transformer(ARGS).to(dtype)
-    quantized = _quantize(copy.deepcopy(model))
+    quantized = quantize_weights(copy.deepcopy(model))
     sharded = parallelize_module(copy.deepcopy(quantized), tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
     with torch.no_grad():
         out, ref, float_out = sharded(tokens), quantized(tokens), model(tokens)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    return _relative_error(ref, float_out), _relative_error(out, ref)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    vs_float, vs_quantized = _relative_error(ref, float_out), _relative_error(out, ref)
+    assert vs_float <= 1e-2, vs_float
+    assert vs_quantized <= (1e-5 if dtype == torch.float32 else 1e-2), vs_quantized
 
 
-@world_sizes(2, 4)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_quantized_llama_matches_unsharded_quantized_and_stays_near_float(world_size, dtype, sequence_parallel):
-    for vs_float, vs_quantized in run_on_ranks(_llama_matches, world_size, dtype, sequence_parallel):
-        assert vs_float <= 1e-2, vs_float
-        assert vs_quantized <= (1e-5 if dtype == torch.float32 else 1e-2), vs_quantized
-
-
-def _weight_storage():
-    model = _quantize(nn.Sequential(nn.Linear(256, 64, bias=False), nn.Linear(64, 256, bias=False)))
+@on_ranks(2, 4)
+def test_per_rank_weight_storage_is_int8_bytes_over_world_size_plus_scales_as_explained():
+    model = quantize_weights(nn.Sequential(nn.Linear(256, 64, bias=False), nn.Linear(64, 256, bias=False)))
     plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
     predicted = explain_plan(model, tp_mesh(), plan).bytes_per_rank()[dist.get_rank()]
     parallelize_module(model, tp_mesh(), plan)
@@ -211,10 +175,4 @@ def _weight_storage():
     # colwise: a quarter of the rows and their scales; rowwise: a quarter of the features, all scales
     expected = (64 * 256) // world + (64 // world) * 4 + (256 * 64) // world + 256 * 4
     assert predicted == expected, (predicted, expected)  # explain_plan counts int8 + scales
-    return stored, expected
-
-
-@world_sizes(2, 4)
-def test_per_rank_weight_storage_is_int8_bytes_over_world_size_plus_scales_as_explained(world_size):
-    for stored, expected in run_on_ranks(_weight_storage, world_size):
-        assert stored == expected
+    assert stored == expected, (stored, expected)

@@ -6,8 +6,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_tp.quant import Int8SymmetricTensor, Int8SymmetricWeightConfig
+from torch_tp.testing import TOL
 
 DTYPES = [torch.float32, torch.bfloat16]
+# bfloat16 keeps 8 bits: outputs of magnitude ~4 are 0.03 apart, and addmm rounds twice.
+MATMUL_TOL = {torch.float32: TOL, torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
 
 
 def _weight(rows=10, cols=16, dtype=torch.float32):
@@ -131,25 +134,36 @@ def test_to_copy_clone_detach_empty_like_and_copy(dtype):
 # ------------------------------------------------------------------ matmul ops
 
 
+def _linear(x, w, bias):
+    return F.linear(x, w, bias)
+
+
+# form: (computed with the int8 weight q, the same computed with its dequantized values w)
+_MATMUL_FORMS = {
+    "F.linear": (_linear, _linear),
+    "aten.linear": (lambda x, q, bias: torch.ops.aten.linear(x, q, bias), _linear),
+    "matmul": (lambda x, q, bias: x @ q.t() + bias, _linear),
+    "addmm": (lambda x, q, bias: torch.addmm(bias, x.flatten(0, 1), q.t()).view(2, 5, 10), _linear),
+    "mm": (lambda x, q, bias: torch.mm(x[0], q.t()), lambda x, w, bias: x[0] @ w.t()),
+}
+
+
+@pytest.mark.parametrize("form", list(_MATMUL_FORMS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_mm_addmm_matmul_compute_in_the_input_dtype(dtype):
+def test_linear_mm_addmm_matmul_compute_in_the_input_dtype(dtype, form):
     q = Int8SymmetricTensor.from_hp(_weight(dtype=dtype))
-    w = q.dequantize()
     x = torch.randn(2, 5, 16).to(dtype)
     bias = torch.randn(10).to(dtype)
-    # bfloat16 keeps 8 bits: outputs of magnitude ~4 are 0.03 apart, and addmm rounds twice.
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    for got in (F.linear(x, q, bias), torch.ops.aten.linear(x, q, bias), x @ q.t() + bias,
-                torch.addmm(bias, x.flatten(0, 1), q.t()).view(2, 5, 10)):
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, F.linear(x, w, bias), **tol)
-    torch.testing.assert_close(torch.mm(x[0], q.t()), x[0] @ w.t(), **tol)
+    with_int8, reference = _MATMUL_FORMS[form]
+    got = with_int8(x, q, bias)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, reference(x, q.dequantize(), bias), **MATMUL_TOL[dtype])
 
 
 def test_matmul_with_scales_along_the_summed_dim_folds_them_into_the_input():
     q = Int8SymmetricTensor.from_hp(_weight(16, 10))  # scales per row = per summed index
     x = torch.randn(3, 16)
-    torch.testing.assert_close(torch.mm(x, q), x @ q.dequantize(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.mm(x, q), x @ q.dequantize(), **TOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -167,8 +181,7 @@ def test_gradients_flow_to_the_activations_through_a_quantized_linear(dtype):
     x_ref = x.detach().clone().requires_grad_()
     layer(x).pow(2).sum().backward()
     reference(x_ref).pow(2).sum().backward()
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **MATMUL_TOL[dtype])
     assert layer.weight.grad is None and layer.bias.grad is not None
 
 

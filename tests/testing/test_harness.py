@@ -1,10 +1,12 @@
-"""Tests of the distributed test harness (torch_tp.testing._dist).
+"""Tests of the distributed test harness (torch_tp.testing._dist and ._on_ranks).
 
 Rank functions live at module level here: workers import this module by the
 name pytest gave it, using the sys.path the parent sends with each task.
 """
 
+import inspect
 import os
+import pickle
 import time
 
 import pytest
@@ -18,6 +20,7 @@ from torch_tp.testing import (
     assert_comm_counts,
     comm_counts,
     mesh_2x2,
+    on_ranks,
     rank,
     run_on_ranks,
     tp_mesh,
@@ -183,10 +186,10 @@ def test_unpicklable_function_is_rejected_before_spawning():
         run_on_ranks(lambda: 1, 2)
 
 
-def test_rank_helpers_refuse_to_run_in_the_parent():
-    for helper in (rank, world_size, tp_mesh, mesh_2x2):
-        with pytest.raises(RuntimeError, match="inside a function run by run_on_ranks"):
-            helper()
+@pytest.mark.parametrize("helper", [rank, world_size, tp_mesh, mesh_2x2], ids=lambda f: f.__name__)
+def test_rank_helpers_refuse_to_run_in_the_parent(helper):
+    with pytest.raises(RuntimeError, match="inside a function run by run_on_ranks"):
+        helper()
 
 
 def test_invalid_world_size_is_rejected():
@@ -244,3 +247,71 @@ def test_dead_worker_reports_its_exit_code():
     assert "rank 1: worker process died (exit code 3)" in message
     assert info.value.failed_ranks == [1]
     assert run_on_ranks(_print_and_return_rank, 2) == [0, 1]
+
+
+# ---------------------------------------------------------------- on_ranks
+
+
+@pytest.mark.parametrize("value", [1.0, 3.0])
+@on_ranks(2, 4)
+def test_on_ranks_runs_the_body_on_every_rank_with_its_parametrized_arguments(value):
+    t = torch.tensor([value * (rank() + 1)])
+    dist.all_reduce(t)  # hangs (and times out) unless every rank runs the body
+    assert t.item() == value * world_size() * (world_size() + 1) / 2
+
+
+@on_ranks(2)
+def test_on_ranks_with_one_world_size_passes_it_to_a_body_that_asks(world_size):
+    assert world_size == dist.get_world_size() == 2
+
+
+def test_on_ranks_parametrizes_world_size_like_world_sizes_and_keeps_the_body_importable():
+    test = test_on_ranks_runs_the_body_on_every_rank_with_its_parametrized_arguments
+    marks = {m.args[0]: (tuple(m.args[1]), m.kwargs.get("ids")) for m in test.pytestmark}
+    assert marks == {"world_size": ((2, 4), ["ws2", "ws4"]), "value": ((1.0, 3.0), None)}
+    assert list(inspect.signature(test).parameters) == ["world_size", "value"]
+    body = globals()["_test_on_ranks_runs_the_body_on_every_rank_with_its_parametrized_arguments_on_ranks"]
+    assert test.__wrapped__ is body and pickle.loads(pickle.dumps(body)) is body  # by reference
+    single = test_on_ranks_with_one_world_size_passes_it_to_a_body_that_asks
+    assert [(m.args, m.kwargs["ids"]) for m in single.pytestmark] == [(("world_size", (2,)), ["ws2"])]
+    assert list(inspect.signature(single).parameters) == ["world_size"]
+
+
+@on_ranks(2)
+def _raises_on_rank_1_under_on_ranks():  # no test_ prefix: pytest does not collect it; the test below calls it
+    if rank() == 1:
+        print("rank 1 about to fail")
+        raise ValueError("boom-on-ranks")
+
+
+def test_on_ranks_reports_a_failing_rank_with_its_traceback_and_output():
+    with pytest.raises(RankFailure) as info:
+        _raises_on_rank_1_under_on_ranks(world_size=2)
+    message = str(info.value)
+    assert info.value.failed_ranks == [1]
+    assert f"{__name__}.__raises_on_rank_1_under_on_ranks_on_ranks failed on world_size=2" in message
+    assert "rank 1: raised" in message and "rank 0" not in message
+    assert 'raise ValueError("boom-on-ranks")' in message  # the body's source line
+    assert "rank 1 about to fail" in message  # rank 1's output tail
+
+
+@on_ranks(2)
+def _returns_its_rank():
+    return rank()
+
+
+def test_on_ranks_refuses_a_body_that_returns_values():
+    with pytest.raises(TypeError, match=r"returned values \{0: 0, 1: 1\} .*call run_on_ranks"):
+        _returns_its_rank(world_size=2)
+
+
+def test_on_ranks_refuses_nested_functions_and_bad_world_sizes():
+    def nested():
+        pass
+
+    with pytest.raises(TypeError, match="needs a module-level test function"):
+        on_ranks(2)(nested)
+    with pytest.raises(ValueError, match="at least one world size"):
+        on_ranks()
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        on_ranks(2, 0)

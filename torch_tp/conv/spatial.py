@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
 from torch_tp.conv import sharded_conv
 from torch_tp.parallel import rules
-from torch_tp.parallel.style import ParallelStyle, distribute_parameters
+from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
 __all__ = ["SpatialParallel", "check_spatial"]
 
@@ -94,7 +94,23 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
 
 
+_HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE
+
+
+def _handled_base(module: nn.Module) -> type | None:
+    """The first class of ``module``'s MRO this style handles, or ``None``."""
+    return next((cls for cls in type(module).__mro__ if cls in _HANDLED), None)
+
+
 def _require_spatial_module(module: nn.Module, where: str) -> None:
+    base = _handled_base(module)
+    if base is not None and type(module).forward is not base.forward:
+        raise rules.UnsupportedModuleError(
+            f"{_STYLE} cannot run {where}: {type(module).__qualname__} subclasses nn.{base.__name__} "
+            f"but has its own forward, which {_STYLE} does not know (it may do more than "
+            f"nn.{base.__name__}, e.g. a BatchNorm that also applies an activation); "
+            f"parallelize its parts, or leave it out of the plan"
+        )
     if isinstance(module, SPATIAL_CONVS) and module.padding_mode != "zeros":
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
@@ -111,8 +127,8 @@ def _require_spatial_module(module: nn.Module, where: str) -> None:
             f"{_STYLE} cannot run {where} with p={module.p} in training mode: its mask "
             f"would differ from the unsharded model's. Use p=0 or .eval()"
         )
-    if not isinstance(module, SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE):
-        names = ", ".join(f"nn.{t.__name__}" for t in SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE)
+    if base is None:
+        names = ", ".join(f"nn.{t.__name__}" for t in _HANDLED)
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: it handles {names} "
             f"(BatchNorm in eval mode). Pooling windows cross shard borders; gather "
@@ -212,7 +228,9 @@ class SpatialParallel(ParallelStyle):
 
     Handles ``nn.Conv1d/2d/3d`` and the position-wise modules between them: eval-mode
     ``nn.BatchNorm1d/2d/3d``, ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and
-    ``nn.Dropout`` with ``p=0`` or in eval mode.
+    ``nn.Dropout`` with ``p=0`` or in eval mode, and subclasses that keep their ``forward``;
+a subclass with its own ``forward`` (timm's ``BatchNormAct2d``) is refused, since this style
+would run the base class's computation in its place.
     Training-mode BatchNorm (per-shard batch statistics) and pooling (windows crossing shard
     borders) are refused with :class:`~torch_tp.UnsupportedModuleError` naming the module path.
     A plain-tensor input is this rank's ``torch.chunk`` slice (the global size is gathered,
@@ -254,6 +272,7 @@ class SpatialParallel(ParallelStyle):
         _spatial_dim(self.dim, None, "")
         self.input_layouts = rules.single_layout(self.input_layouts, "input_layouts", _STYLE, Shard(self.dim))
         self.output_layouts = rules.single_layout(self.output_layouts, "output_layouts", _STYLE, Shard(self.dim))
+        self.use_local_output = rules.flag(self.use_local_output, "use_local_output", _STYLE)
 
     def param_placements(self, module):
         return rules.replicated_placements(module)
@@ -266,7 +285,9 @@ class SpatialParallel(ParallelStyle):
         if isinstance(module, SPATIAL_CONVS) and not sharded_conv.is_installed():
             sharded_conv.install()
         if isinstance(module, SPATIAL_BATCHNORMS):
-            replace_forward(module, _batch_norm_eval_forward)
+            replace_forward(module, _batch_norm_eval_forward)  # uses its plain running statistics itself
+        else:
+            name_plain_tensors_on_error(module, _STYLE, module_path)
         module.register_forward_pre_hook(partial(
             _spatial_input, device_mesh=device_mesh, input_layout=self.input_layouts, dim=self.dim,
             module_path=module_path,

@@ -48,6 +48,9 @@ __all__ = [
 class ModelArgs:
     """Sizes of :class:`Transformer`. ``dim`` must be divisible by ``n_heads``.
 
+    ``tie_embeddings``: the output head shares the token embedding's weight (Gemma, small
+    Llamas). ``qk_norm``: a per-head RMSNorm on queries and keys, as in Qwen3.
+
     Example::
 
         >>> ModelArgs(dim=64, n_heads=8).head_dim
@@ -62,6 +65,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     max_seq_len: int = 64
     rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -113,6 +118,10 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal multi-head self-attention; the head count follows ``wq``'s (local) output size.
 
+    With ``args.qk_norm`` a per-head RMSNorm (``q_norm``, ``k_norm``) runs on the queries and
+    keys, Qwen3-style. ``tensor_parallel_units`` tells torch_tp's plan check that a shard of
+    ``wq``/``wk``/``wv``/``wo`` must hold whole heads.
+
     Example::
 
         >>> args = ModelArgs(dim=16, n_heads=2, max_seq_len=8)
@@ -127,12 +136,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        # forward splits features into heads: a tensor-parallel shard must hold whole heads
+        self.tensor_parallel_units = {f"{name}.weight": args.head_dim for name in ("wq", "wk", "wv", "wo")}
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen = x.shape[0], x.shape[1]
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -198,6 +214,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer(
             "rope", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
         )
@@ -215,7 +233,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def _require_overlap_support(sequence_parallel: bool, overlap: bool, styles: ModuleType) -> None:
+def _require_torch_tp_options(sequence_parallel: bool, overlap: bool, qk_norm: bool, styles: ModuleType) -> None:
     if overlap and not sequence_parallel:
         raise ValueError(
             "overlap=True fuses the sequence-parallel all-gathers and reduce-scatters into the "
@@ -223,12 +241,15 @@ def _require_overlap_support(sequence_parallel: bool, overlap: bool, styles: Mod
         )
     if overlap and styles is not _torch_tp_styles:
         raise ValueError(f"overlap=True needs torch_tp's styles; {styles.__name__} has no overlap option")
+    if qk_norm and styles is not _torch_tp_styles:
+        raise ValueError(f"qk_norm=True needs torch_tp's ReplicateParallel; {styles.__name__} has none")
 
 
 def block_tensor_parallel_plan(
     *,
     sequence_parallel: bool = False,
     overlap: bool = False,
+    qk_norm: bool = False,
     prefix: str = "",
     styles: ModuleType = _torch_tp_styles,
 ) -> dict[str, ParallelStyle]:
@@ -246,6 +267,10 @@ def block_tensor_parallel_plan(
     ``docs/overlap.md``): the same bytes as the unfused plan,
     every transfer overlapping a matmul.
 
+    ``qk_norm=True`` (a model built with ``ModelArgs(qk_norm=True)``) runs the per-head
+    ``q_norm``/``k_norm`` on the local heads with replicated weights whose gradients are
+    summed over the ranks: ``ReplicateParallel(input_layouts=Shard(2))``.
+
     Example::
 
         >>> sorted(block_tensor_parallel_plan())[:2]
@@ -253,7 +278,7 @@ def block_tensor_parallel_plan(
         >>> block_tensor_parallel_plan(sequence_parallel=True, overlap=True)["attention.wo"]
         RowwiseParallel(input_layouts=None, output_layouts=Shard(dim=1), use_local_output=True, overlap=True)
     """
-    _require_overlap_support(sequence_parallel, overlap, styles)
+    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles)
     between = Shard(1) if sequence_parallel else Replicate()
     # Unfused: one DTensor input per module, gathered once: wq/wk/wv (w1/w3) share it, so
     # their input grads are summed as partial sums and reduced by a single collective.
@@ -277,17 +302,25 @@ def block_tensor_parallel_plan(
     if sequence_parallel:
         plan["attention_norm"] = styles.SequenceParallel()
         plan["ffn_norm"] = styles.SequenceParallel()
+    if qk_norm:  # (batch, seq, heads, head_dim) on the local heads
+        plan["attention.[qk]_norm"] = styles.ReplicateParallel(input_layouts=Shard(2))
     return {f"{prefix}{key}": style for key, style in plan.items()}
 
 
 def tensor_parallel_plan(
-    *, sequence_parallel: bool = False, overlap: bool = False, styles: ModuleType = _torch_tp_styles
+    *,
+    sequence_parallel: bool = False,
+    overlap: bool = False,
+    qk_norm: bool = False,
+    styles: ModuleType = _torch_tp_styles,
 ) -> dict[str, ParallelStyle]:
     """torch_tp's documented tensor-parallel plan for :class:`Transformer`.
 
     The output head returns replicated logits, so the loss is computed as in a
-    single-process model. ``overlap`` and ``styles`` as in :func:`block_tensor_parallel_plan`
-    (with ``overlap=True`` the output head fuses its input all-gather too).
+    single-process model. ``overlap``, ``qk_norm`` and ``styles`` as in
+    :func:`block_tensor_parallel_plan` (with ``overlap=True`` the output head fuses its input
+    all-gather too). A model with ``tie_embeddings`` keeps its tie: the embedding
+    (``RowwiseParallel``) and the head (``ColwiseParallel``) both place the weight as ``Shard(0)``.
 
     Example::
 
@@ -295,13 +328,13 @@ def tensor_parallel_plan(
         >>> plan["norm"]
         SequenceParallel(sequence_dim=1, use_local_output=False)
     """
-    _require_overlap_support(sequence_parallel, overlap, styles)
+    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles)
     between = Shard(1) if sequence_parallel else Replicate()
     fused = dict(overlap=True) if overlap else {}
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": styles.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         **block_tensor_parallel_plan(
-            sequence_parallel=sequence_parallel, overlap=overlap, prefix="layers.*.", styles=styles
+            sequence_parallel=sequence_parallel, overlap=overlap, qk_norm=qk_norm, prefix="layers.*.", styles=styles
         ),
         "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate(), **fused),
     }

@@ -36,6 +36,7 @@ __all__ = [
     "REDUCE_OPS",
     "check_all_gather_matmul",
     "check_matmul_reduce_scatter",
+    "check_matmul_reduce_scatter_operands",
     "check_reduce_op",
     "group_size",
     "resolve_group",
@@ -82,8 +83,21 @@ def _check_dim(a: Tensor, dim: int, argument: str, op: str) -> None:
         )
 
 
+def _check_not_empty(a: Tensor, op: str) -> None:
+    """The ring moves and multiplies rows of the input: an input with none (or with rows of
+    no elements, K = 0) is refused here, before any transfer is posted."""
+    if a.numel() == 0:
+        empty = "its last (contracted) dim K is 0" if a.shape[-1] == 0 else "it has no rows"
+        raise ValueError(
+            f"{op}: the input of shape {tuple(a.shape)} is empty ({empty}); the fused ops "
+            f"need at least one element on every rank: skip the call for an empty input"
+        )
+
+
 def check_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int) -> None:
-    """Raise ``ValueError``/``TypeError`` unless ``all_gather_matmul`` can take these arguments.
+    """Raise ``ValueError``/``TypeError`` unless ``all_gather_matmul`` can take these arguments:
+    a leading ``gather_dim``, a non-empty input (``K > 0``), and ``bs`` of ``(K, N)`` matrices
+    in the input's dtype.
 
     Example::
 
@@ -94,6 +108,7 @@ def check_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int) 
     """
     op = "all_gather_matmul"
     _check_dim(a_shard, gather_dim, "gather_dim", op)
+    _check_not_empty(a_shard, op)
     if len(bs) == 0:
         raise ValueError(f"{op}: bs is empty; pass at least one matrix to multiply by")
     for i, b in enumerate(bs):
@@ -102,7 +117,8 @@ def check_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int) 
 
 def check_matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str, reduce_op: str) -> None:
     """Raise ``ValueError``/``TypeError`` unless ``matmul_reduce_scatter`` can take these arguments
-    over the process group registered as ``group_name``.
+    over the process group registered as ``group_name``: as :func:`check_all_gather_matmul`, and
+    a ``scatter_dim`` whose size divides by the group size.
 
     Example::
 
@@ -112,16 +128,27 @@ def check_matmul_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_na
         Traceback (most recent call last):
         ValueError: matmul_reduce_scatter: dim 0 of the input has size 3, which does not split evenly over 2 ranks ...
     """
+    check_matmul_reduce_scatter_operands(a, b, scatter_dim, reduce_op)
+    _check_even_scatter(a, scatter_dim, group_size(group_name))
+
+
+def check_matmul_reduce_scatter_operands(a: Tensor, b: Tensor, scatter_dim: int, reduce_op: str) -> None:
+    """:func:`check_matmul_reduce_scatter` without the group: what one rank's arguments alone decide."""
     op = "matmul_reduce_scatter"
     _check_dim(a, scatter_dim, "scatter_dim", op)
+    _check_not_empty(a, op)
     _check_b(a, b, "b", op)
-    world = group_size(group_name)
+    check_reduce_op(reduce_op, op)
+
+
+def _check_even_scatter(a: Tensor, scatter_dim: int, world: int) -> None:
+    """Raise ``ValueError`` unless ``a``'s ``scatter_dim`` splits evenly over ``world`` ranks."""
     if a.shape[scatter_dim] % world:
         raise ValueError(
-            f"{op}: dim {scatter_dim} of the input has size {a.shape[scatter_dim]}, which does not "
-            f"split evenly over {world} ranks (uneven leading size); pad it to a multiple of {world}"
+            f"matmul_reduce_scatter: dim {scatter_dim} of the input has size {a.shape[scatter_dim]}, "
+            f"which does not split evenly over {world} ranks (uneven leading size); pad it to a "
+            f"multiple of {world}"
         )
-    check_reduce_op(reduce_op, op)
 
 
 def check_reduce_op(reduce_op: str, op: str) -> None:

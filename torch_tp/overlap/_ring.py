@@ -62,6 +62,15 @@ def _matmul_rows(chunk: torch.Tensor, chunk_matmul: ChunkMatmul) -> list[torch.T
     return [out.reshape(*chunk.shape[:-1], out.shape[-1]) for out in outs]
 
 
+def _matmul_rows_while(works: list, chunk: torch.Tensor, chunk_matmul: ChunkMatmul) -> list[torch.Tensor]:
+    """:func:`_matmul_rows` while ``works`` are in flight, then wait for them, even if the
+    matmul raises: a transfer left unwaited would block the group's next collective."""
+    try:
+        return _matmul_rows(chunk, chunk_matmul)
+    finally:
+        _finish(works)
+
+
 def ring_all_gather_matmul(
     shard: torch.Tensor, chunk_matmul: ChunkMatmul, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -80,8 +89,7 @@ def ring_all_gather_matmul(
         works = []
         if step < size - 1:
             works = _start_exchange(gathered[held], before, gathered[(held + 1) % size], after, group)
-        per_chunk[held] = _matmul_rows(gathered[held], chunk_matmul)
-        _finish(works)
+        per_chunk[held] = _matmul_rows_while(works, gathered[held], chunk_matmul)
     outputs = [torch.cat([chunk[i] for chunk in per_chunk]) for i in range(len(per_chunk[0]))]
     return gathered.flatten(0, 1), outputs
 
@@ -100,7 +108,6 @@ def ring_matmul_reduce_scatter(
     for step in range(1, size):
         incoming = torch.empty_like(acc)
         works = _start_exchange(acc.contiguous(), before, incoming, after, group)
-        partial = _matmul_rows(chunks[(position + step + 1) % size], chunk_matmul)[0]
-        _finish(works)
+        partial = _matmul_rows_while(works, chunks[(position + step + 1) % size], chunk_matmul)[0]
         acc = partial + incoming
     return acc

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Sequence, Union
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.overlap import _custom_ops
 from torch_tp.overlap._custom_ops import REDUCE_OPS, check_all_gather_matmul, check_matmul_reduce_scatter
 
@@ -90,16 +92,25 @@ def all_gather_matmul(
             :class:`~torch_tp.quant.Int8SymmetricTensor`).
         gather_dim: the dim that is sharded over the ranks; any dim but the last.
         group: a ``ProcessGroup``, its name, or a 1-D ``DeviceMesh``.
-        check_shapes: first compare the ranks' ``a_shard`` shapes (one small all-gather), so
-            that uneven shards raise ``ValueError`` on every rank; with ``False`` a mismatch
-            fails inside the P2P transfer instead (gloo aborts the process). Skipped while
-            ``torch.compile`` traces; the styles skip it because DTensor shapes are known.
+        check_shapes: first check every rank's arguments together, with one all-gather of an
+            8-byte digest per rank (each rank receives ``8 * world`` bytes; the details are
+            gathered only when something is wrong): each rank checks its own arguments and
+            the ranks compare ``a_shard``'s dtype, contracted dim ``K`` and shape,
+            ``gather_dim``, and the shape and kind (plain or subclass) of each ``b``. Any error
+            or difference then raises on every rank before the first transfer: a rank whose
+            own arguments are wrong raises its own error, the others a ``ValueError`` naming
+            that rank and why; a difference raises ``ValueError`` naming what differs, each
+            rank's value and what to change. With ``False`` each rank only checks its own
+            arguments, and ranks that disagree fail inside the P2P transfer (gloo aborts the
+            process) or compute garbage. Skipped while ``torch.compile`` traces; the styles
+            skip it because DTensor shapes are known.
 
     Returns:
         ``(a_gathered, [a_gathered @ b for b in bs])``, both gathered on ``gather_dim``.
 
-    Raises ``ValueError`` for a ``gather_dim`` that is the contracted (last) dim, for ``b``
-    shapes that do not fit ``a_shard`` and for shards of different shapes.
+    Raises ``ValueError`` for a ``gather_dim`` that is the contracted (last) dim, an empty
+    ``a_shard`` (``K = 0`` included), ``b`` shapes that do not fit ``a_shard`` and (with
+    ``check_shapes``) ranks whose arguments differ; ``TypeError`` for a ``b`` of another dtype.
 
     Example::
 
@@ -110,32 +121,29 @@ def all_gather_matmul(
         torch.Size([8, 8])    # world size 2
     """
     op = "all_gather_matmul"
-    if isinstance(bs, torch.Tensor):
-        raise TypeError(f"{op}: bs is a list of matrices; wrap a single one as [b]")
-    gather_dim = _leading_dim(gather_dim, a_shard.ndim, "gather_dim", op)
     name = group_name_of(group)
     if check_shapes and not torch.compiler.is_compiling():
-        _require_same_shapes(a_shard, name, op)
-    return torch.ops.torch_tp.all_gather_matmul(a_shard, list(bs), gather_dim, name)
+        _check_on_every_rank(op, name, a_shard, partial(_all_gather_matmul_facts, a_shard, bs, gather_dim))
+    bs = _matrix_list(bs, op)
+    gather_dim = _leading_dim(gather_dim, a_shard.ndim, "gather_dim", op)
+    return torch.ops.torch_tp.all_gather_matmul(a_shard, bs, gather_dim, name)
 
 
-def _require_same_shapes(a_shard: torch.Tensor, group_name: str, op: str) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks' shards have one shape."""
-    group = _custom_ops.resolve_group(group_name)
-    mine = torch.tensor([a_shard.ndim, *a_shard.shape], dtype=torch.int64)
-    padded = torch.full((9,), -1, dtype=torch.int64)  # ndim, then up to 8 sizes
-    padded[: min(9, mine.numel())] = mine[:9]
-    padded = padded.to(a_shard.device)  # NCCL only moves device tensors
-    if group.size() > 1:
-        shapes = [torch.empty_like(padded) for _ in range(group.size())]
-        dist.all_gather(shapes, padded, group=group)
-        if any(not torch.equal(s, padded) for s in shapes):
-            described = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
-            raise ValueError(
-                f"{op}: the ranks' inputs have different shapes {described}; every rank must "
-                f"pass the same shape (shard the gathered dim evenly, e.g. pad the sequence to a "
-                f"multiple of {group.size()})"
-            )
+def _matrix_list(bs: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
+    if isinstance(bs, torch.Tensor):
+        raise TypeError(f"{op}: bs is a list of matrices; wrap a single one as [b]")
+    return list(bs)
+
+
+def _all_gather_matmul_facts(a_shard: torch.Tensor, bs, gather_dim: int, world: int) -> list[Fact]:
+    """This rank's arguments, checked as the op checks them, then stated for the other ranks."""
+    op = "all_gather_matmul"
+    bs = _matrix_list(bs, op)
+    gather_dim = _leading_dim(gather_dim, a_shard.ndim, "gather_dim", op)
+    check_all_gather_matmul(a_shard, bs, gather_dim)
+    count = Fact("calls pass different numbers of matrices in bs", len(bs), _SAME_WEIGHTS)
+    matrices = _matrix_facts([(f"bs[{i}]", b) for i, b in enumerate(bs)])
+    return _input_facts(a_shard, "gather_dim", gather_dim, world) + [count] + matrices
 
 
 def matmul_reduce_scatter(
@@ -156,7 +164,10 @@ def matmul_reduce_scatter(
             must divide by the group size (uneven sizes raise ``ValueError``).
         group: a ``ProcessGroup``, its name, or a 1-D ``DeviceMesh``.
         reduce_op: ``"sum"`` (default) or ``"avg"``.
-        check_shapes: first compare the ranks' ``a`` shapes, as in :func:`all_gather_matmul`.
+        check_shapes: first check every rank's arguments together, as in
+            :func:`all_gather_matmul` (one all-gather of 8 bytes per rank; ``reduce_op``
+            and ``scatter_dim`` are compared too). The size of ``scatter_dim`` is checked
+            against the group size once the ranks agree on the shape.
 
     Returns:
         This rank's chunk of the reduced ``a @ b``: ``(..., N)`` with ``scatter_dim`` divided
@@ -170,11 +181,22 @@ def matmul_reduce_scatter(
         torch.Size([2, 8, 64])
     """
     op = "matmul_reduce_scatter"
-    scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", op)
     name = group_name_of(group)
     if check_shapes and not torch.compiler.is_compiling():
-        _require_same_shapes(a, name, op)
+        _check_on_every_rank(op, name, a, partial(_matmul_reduce_scatter_facts, a, b, scatter_dim, reduce_op))
+    scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", op)
     return torch.ops.torch_tp.matmul_reduce_scatter(a, b, scatter_dim, name, reduce_op)
+
+
+def _matmul_reduce_scatter_facts(
+    a: torch.Tensor, b: torch.Tensor, scatter_dim: int, reduce_op: str, world: int
+) -> list[Fact]:
+    """This rank's arguments, checked as the op checks them (but for the split of ``scatter_dim``
+    over the group, which the ranks check once they agree on the shape), then stated."""
+    scatter_dim = _leading_dim(scatter_dim, a.ndim, "scatter_dim", "matmul_reduce_scatter")
+    _custom_ops.check_matmul_reduce_scatter_operands(a, b, scatter_dim, reduce_op)
+    op_fact = Fact("calls pass different reduce_op values", reduce_op, "every rank must pass the same reduce_op")
+    return _input_facts(a, "scatter_dim", scatter_dim, world) + [op_fact] + _matrix_facts([("b", b)])
 
 
 def all_gather_then_matmul(
@@ -247,3 +269,50 @@ def ring_matmul_reduce_scatter(
         >>> y = ring_matmul_reduce_scatter(h, lambda rows: [rows @ w2.t()], 1, group_name)
     """
     return _custom_ops.run_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
+
+
+# ------------------------------------------------------------------ one argument check across the ranks
+#
+# With check_shapes=True each rank checks its own arguments and states its operands as facts;
+# torch_tp._agreement compares them (one all-gather of 8 bytes per rank) and every rank raises
+# the same way before any transfer: no rank is left inside a collective.
+
+
+def _check_on_every_rank(op: str, group_name: str, a, checked_facts: Callable[[int], list[Fact]]) -> None:
+    """Run this rank's checks, ``checked_facts(group size)``, and raise on every rank of the
+    group, before any transfer, if they failed on any rank or the ranks' facts differ."""
+    group = _custom_ops.resolve_group(group_name)
+    try:
+        problem, facts = None, checked_facts(group.size())
+    except Exception as error:  # noqa: BLE001  any error here is reported to every rank, then raised
+        problem, facts = error, []
+    device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")  # NCCL moves device tensors only
+    agree_or_raise(group, problem, facts, what=op, device=device)
+
+
+_SAME_WEIGHTS = "every rank must pass the same weights"
+
+
+def _input_facts(a: torch.Tensor, dim_name: str, dim: int, world: int) -> list[Fact]:
+    """The input's dtype, then ``K`` (so another weight is named as such), its shape, and the dim."""
+    even = f"shard the gathered dim evenly, e.g. pad the sequence to a multiple of {world}"
+    return [
+        Fact("inputs have different dtypes", a.dtype, "every rank must pass the same dtype (convert with .to(dtype))"),
+        Fact("inputs have different contracted (last) dims K", a.shape[-1], "every rank must multiply by one weight"),
+        Fact("inputs have different shapes", tuple(a.shape), f"every rank must pass the same shape ({even})"),
+        Fact(f"calls pass different {dim_name} values", dim, f"every rank must pass the same {dim_name}"),
+    ]
+
+
+def _matrix_facts(named: list[tuple[str, torch.Tensor]]) -> list[Fact]:
+    """Each matrix's shape and kind, in order."""
+    facts = []
+    for name, b in named:
+        facts.append(Fact(f"matrices {name} have different shapes", tuple(b.shape), _SAME_WEIGHTS))
+        facts.append(Fact(f"matrices {name} are of different kinds", _kind(b), "quantize it on every rank or on none"))
+    return facts
+
+
+def _kind(b: torch.Tensor) -> str:
+    """``"plain"`` (a parameter included) or the subclass, such as an int8 weight, whose matmul differs."""
+    return "plain" if type(b) in (torch.Tensor, torch.nn.Parameter) else type(b).__name__

@@ -13,11 +13,14 @@ from torch_tp.parallel.init import init_parameters, module_seed
 from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from torch_tp.parallel.rules import UnsupportedModuleError
-from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, ReplicateParallel, RowwiseParallel, SequenceParallel
+from torch_tp.parallel.verify import VerificationReport, verify_plan
 
 __all__ = [
     "parallelize_module",
     "explain_plan",
+    "verify_plan",
+    "VerificationReport",
     "init_parameters",
     "module_seed",
     "PlanReport",
@@ -26,6 +29,7 @@ __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
+    "ReplicateParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",

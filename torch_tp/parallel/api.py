@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
+from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
 from torch_tp.parallel._upstream import UpstreamStyle
-from torch_tp.parallel.plan import PlanEntry, resolve_plan
+from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, planned_placements, resolve_plan, retie
 from torch_tp.parallel.style import ParallelStyle, replicate
 
 __all__ = ["parallelize_module"]
@@ -96,24 +101,80 @@ def parallelize_module(
         ... })
     """
     if parallelize_plan is None:
-        raise ValueError(
-            "parallelize_module needs a parallelize_plan: a ParallelStyle or a dict "
-            "{module path or pattern: ParallelStyle}"
+        warnings.warn(
+            "parallelize_module got no parallelize_plan, so it changes nothing (as upstream); pass "
+            "a ParallelStyle or a dict {module path or pattern: ParallelStyle}",
+            stacklevel=2,
         )
-    mesh = device_mesh if device_mesh is not None else _current_mesh()
-    rules.require_1d_mesh(mesh, "parallelize_module")
-    entries = resolve_plan(module, parallelize_plan)
-    styles = [e.style if isinstance(e.style, ParallelStyle) else UpstreamStyle(e.style) for e in entries]
-    targets = [module.get_submodule(entry.path) for entry in entries]
-    for entry, style, target in zip(entries, styles, targets):
-        style.check(target, mesh, entry.path)
+        return module
+    mesh = _require_mesh(device_mesh if device_mesh is not None else _current_mesh(), src_data_rank)
+    replicate_unplanned_params = rules.flag(replicate_unplanned_params, "replicate_unplanned_params", "parallelize_module")
+    try:
+        entries, styles, targets, ties = _checked_plan(module, mesh, parallelize_plan, replicate_unplanned_params)
+        problem, facts = None, _facts(module, entries, ties)
+    except (TypeError, ValueError, NotImplementedError) as err:
+        problem, facts = err, []
+    # one all-gather of 8 bytes per rank; raises on every rank if one failed or they differ
+    device = torch.device(mesh.device_type)  # NCCL moves device tensors only
+    agree_or_raise(mesh.get_group(), problem, facts, what="parallelize_module", device=device)
     for entry, style, target in zip(entries, styles, targets):
         style.apply_to(target, mesh, src_data_rank=src_data_rank, module_path=entry.path)
     for (parent, _), indices in _sibling_groups(entries).items():
         styles[indices[0]].link_siblings([targets[i] for i in indices], parent)
+    retie(module, ties)
     if replicate_unplanned_params:
         _replicate_unplanned(module, mesh, src_data_rank)
     return module
+
+
+def _require_mesh(mesh: object, src_data_rank: object) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"parallelize_module needs a DeviceMesh (e.g. init_device_mesh('cuda', (tp_size,)), or "
+            f"mesh['tp'] of a larger one), got {type(mesh).__name__} {mesh!r}"
+        )
+    rules.require_1d_mesh(mesh, "parallelize_module")
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"parallelize_module: this process (global rank {dist.get_rank()}) is not in the mesh "
+            f"{mesh.mesh.tolist()}; call it only on the mesh's ranks (or build the mesh over them)"
+        )
+    if src_data_rank is not None and (
+        isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int) or not 0 <= src_data_rank < mesh.size()
+    ):
+        raise ValueError(
+            f"parallelize_module(src_data_rank={src_data_rank!r}): the source of the values must be a "
+            f"rank of the mesh, in [0, {mesh.size()}), or None (every rank keeps its own values)"
+        )
+    return mesh
+
+
+def _checked_plan(module, mesh, plan, replicate_unplanned_params):
+    """Resolve the plan and run every check; nothing changes. Returns what applying needs."""
+    entries = resolve_plan(module, plan)
+    styles = [e.style if isinstance(e.style, ParallelStyle) else UpstreamStyle(e.style) for e in entries]
+    targets = [module.get_submodule(entry.path) for entry in entries]
+    for entry, style, target in zip(entries, styles, targets):
+        style.check(target, mesh, entry.path)
+    placements = planned_placements(module, entries, styles, replicate_unplanned=replicate_unplanned_params)
+    ties = check_ties(module, placements)
+    check_whole_units(module, placements, mesh.size())
+    return entries, styles, targets, ties
+
+
+def _facts(module: nn.Module, entries: list[PlanEntry], ties: list[list[str]]) -> list[Fact]:
+    """What every rank must hold the same before parameters move: the plan, the parameters'
+    shapes and dtypes, and the ties."""
+    fix = (
+        "build the same model (same config) with the same plan on every rank, or the "
+        "parameters cannot be scattered consistently"
+    )
+    facts = [Fact(f"plans give {entry.path!r} the styles", repr(entry.style), fix) for entry in entries]
+    facts += [
+        Fact(f"models hold parameter {name!r} as", f"{tuple(p.shape)} {p.dtype}", fix)
+        for name, p in module.named_parameters()
+    ]
+    return facts + [Fact("models tie the parameters", ties, fix)]
 
 
 def _replicate_unplanned(root: nn.Module, mesh: DeviceMesh, src_data_rank) -> None:

@@ -13,6 +13,17 @@ Every pattern must match at least one module, and two patterns may only reach th
 module with equal styles. Resolution changes nothing; :func:`resolve_plan` returns the
 (path, style) pairs to apply, in plan order.
 
+Two rules look at the whole plan at once, given where it puts every parameter
+(:func:`planned_placements`):
+
+* **ties** (:func:`check_ties`): a parameter shared by several modules (a tied embedding and
+  output head) must be placed the same way by every module's style, so it stays one
+  Parameter; anything else raises, naming both modules and their placements;
+* **whole units** (:func:`check_whole_units`): a module may declare, as
+  ``tensor_parallel_units = {"wq.weight": head_dim, ...}``, that a descendant parameter is
+  made of indivisible units along any dim a style shards (attention heads); every rank's
+  shard must then hold whole units.
+
 Example::
 
     >>> import torch.nn as nn
@@ -29,9 +40,22 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["PlanEntry", "resolve_plan", "match_pattern"]
+from torch_tp._layouts import shard_sizes
+from torch_tp.parallel import rules
+
+__all__ = [
+    "PlanEntry",
+    "resolve_plan",
+    "match_pattern",
+    "planned_placements",
+    "check_ties",
+    "check_whole_units",
+    "retie",
+]
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -80,13 +104,27 @@ def _closest_paths(pattern: str, paths: list[str]) -> list[str]:
     return close[:3] or candidates[:3]
 
 
-def _unmatched_error(pattern: str, root: nn.Module, paths: list[str]) -> ValueError:
-    near = _closest_paths(pattern, paths)
-    return ValueError(
+def _unmatched_message(pattern: str, root: nn.Module, paths: list[str], params: list[str]) -> str:
+    named = match_pattern(pattern, params)
+    if named:
+        owner = named[0].rpartition(".")[0]
+        return (
+            f"plan key {pattern!r} names a parameter ({named[0]!r}), not a module; plan keys name "
+            f"modules: give the module that owns it ({owner!r}, or a pattern for it) a style"
+        )
+    return (
         f"plan key {pattern!r} matched no submodule of {type(root).__name__}; closest module "
-        f"paths: {near}. Keys are exact dotted paths or globs over the full path where '*' "
-        f"may cross dots (e.g. 'layers.*.attention.wq', '*self.query')"
+        f"paths: {_closest_paths(pattern, paths)}. Keys are exact dotted paths or globs over the "
+        f"full path where '*' may cross dots (e.g. 'layers.*.attention.wq', '*self.query')"
     )
+
+
+def _unmatched_error(patterns: list[str], root: nn.Module, paths: list[str]) -> ValueError:
+    params = [name for name, _ in root.named_parameters()]
+    messages = [_unmatched_message(pattern, root, paths, params) for pattern in patterns]
+    if len(messages) == 1:
+        return ValueError(messages[0])
+    return ValueError(f"{len(messages)} plan keys match no module:\n" + "\n".join(messages))
 
 
 def _conflict_error(path: str, first: PlanEntry, pattern: str, style) -> ValueError:
@@ -131,13 +169,174 @@ def resolve_plan(root: nn.Module, plan: UpstreamParallelStyle | dict) -> list[Pl
     chosen: dict[str, PlanEntry] = {}
     for pattern, style in plan.items():
         _check_style(pattern, style)
-        matched = match_pattern(pattern, paths)
-        if not matched:
-            raise _unmatched_error(pattern, root, paths)
-        for path in matched:
+    unmatched = [pattern for pattern in plan if not match_pattern(pattern, paths)]
+    if unmatched:
+        raise _unmatched_error(unmatched, root, paths)
+    for pattern, style in plan.items():
+        for path in match_pattern(pattern, paths):
             first = chosen.get(path)
             if first is None:
                 chosen[path] = PlanEntry(path, pattern, style)
             elif first.style != style:
                 raise _conflict_error(path, first, pattern, style)
     return list(chosen.values())
+
+
+# ---------------------------------------------------------------------- plan-wide rules
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def planned_placements(root: nn.Module, entries: list[PlanEntry], styles: list, *, replicate_unplanned: bool = False) -> dict[str, Placement | None]:
+    """Every parameter path of ``root`` and the placement the plan gives it (``None``: left plain).
+
+    ``styles`` are the entries' styles as torch_tp styles (``param_placements`` says where
+    each puts its module's parameters); ``replicate_unplanned`` gives the rest ``Replicate()``.
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        >>> entries = resolve_plan(model, {"0": ColwiseParallel()})
+        >>> planned_placements(model, entries, [e.style for e in entries])
+        {'0.weight': Shard(dim=0), '0.bias': Shard(dim=0), '1.weight': None, '1.bias': None}
+    """
+    rest = Replicate() if replicate_unplanned else None
+    placements: dict[str, Placement | None] = {name: rest for name, _ in _owned_parameters(root)}
+    for entry, style in zip(entries, styles):
+        module = root.get_submodule(entry.path)
+        for name, placement in style.param_placements(module).items():
+            placements[_join(entry.path, name)] = placement
+    return placements
+
+
+def _owned_parameters(root: nn.Module):
+    """``(path, parameter)`` for every module's own parameters, a shared parameter once per owner."""
+    for module_path, module in root.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield _join(module_path, name), param
+
+
+def check_ties(root: nn.Module, placements: dict[str, Placement | None]) -> list[list[str]]:
+    """Raise unless every parameter shared by several modules gets one placement from all of them.
+
+    Returns the ties to keep, as lists of parameter paths holding one parameter; after the
+    styles ran, :func:`retie` makes them one Parameter again.
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel, RowwiseParallel
+        >>> model = nn.ModuleDict({"embed": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False)})
+        >>> model["head"].weight = model["embed"].weight
+        >>> plan = {"embed": RowwiseParallel(), "head": ColwiseParallel()}
+        >>> entries = resolve_plan(model, plan)
+        >>> check_ties(model, planned_placements(model, entries, [e.style for e in entries]))
+        [['embed.weight', 'head.weight']]
+    """
+    owners: dict[int, list[str]] = {}
+    for path, param in _owned_parameters(root):
+        owners.setdefault(id(param), []).append(path)
+    ties = [paths for paths in owners.values() if len(paths) > 1]
+    for paths in ties:
+        if len({repr(placements.get(path)) for path in paths}) > 1:
+            raise _broken_tie_error(root, paths, placements)
+    return [paths for paths in ties if placements.get(paths[0]) is not None]
+
+
+def _placed_as(root: nn.Module, path: str, placement: Placement | None) -> list[str]:
+    """The Colwise/Rowwise styles that would place the parameter at ``path`` as ``placement``."""
+    owner, _, name = path.rpartition(".")
+    module = root.get_submodule(owner)
+    candidates = {"ColwiseParallel()": rules.colwise_placements, "RowwiseParallel()": rules.rowwise_placements}
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return []
+    return [style for style, where in candidates.items() if where(module).get(name) == placement]
+
+
+def _broken_tie_error(root: nn.Module, paths: list[str], placements: dict) -> ValueError:
+    described = ", ".join(f"{path!r} -> {_placement_text(placements.get(path))}" for path in paths)
+    target = next((placements[p] for p in paths if placements.get(p) is not None), None)
+    fixes = []
+    for path in paths:
+        if placements.get(path) != target:
+            styles = _placed_as(root, path, target)
+            fixes.append(f"{path.rpartition('.')[0]!r}: {' or '.join(styles) or 'a style placing it as ' + repr(target)}")
+    return ValueError(
+        f"one parameter is shared (tied) by {len(paths)} modules, but the plan places it "
+        f"differently: {described}. Sharding one copy would untie it and the copies would train "
+        f"apart; give every module that shares it a style that places it as {target!r}"
+        + (f", e.g. {'; '.join(fixes)}" if fixes else "")
+    )
+
+
+def _placement_text(placement: Placement | None) -> str:
+    return "left plain (not in the plan)" if placement is None else repr(placement)
+
+
+def retie(root: nn.Module, ties: list[list[str]]) -> None:
+    """Make the modules of each kept tie hold one Parameter again (the first owner's, now a DTensor).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("runs inside parallelize_module, after the styles")
+        >>> retie(model, [["tok_embeddings.weight", "output.weight"]])
+        >>> model.output.weight is model.tok_embeddings.weight
+        True
+    """
+    for paths in ties:
+        shared = root.get_parameter(paths[0])
+        for path in paths[1:]:
+            owner, _, name = path.rpartition(".")
+            root.get_submodule(owner).register_parameter(name, shared)
+
+
+def check_whole_units(root: nn.Module, placements: dict[str, Placement | None], num_ranks: int) -> None:
+    """Raise if a shard would cut a unit a module declared in ``tensor_parallel_units``.
+
+    An attention module whose forward splits features into heads declares
+    ``tensor_parallel_units = {"wq.weight": head_dim, ...}``; sharding ``wq`` must then give
+    every rank whole heads (3 heads on 2 ranks cannot be split).
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel
+        >>> attention = nn.ModuleDict({"wq": nn.Linear(24, 24)})
+        >>> attention.tensor_parallel_units = {"wq.weight": 8, "wq.bias": 8}
+        >>> entries = resolve_plan(attention, {"wq": ColwiseParallel()})
+        >>> check_whole_units(attention, planned_placements(attention, entries, [e.style for e in entries]), 2)
+        Traceback (most recent call last):
+        ValueError: ModuleDict ('<root>') declares units of 8 elements in 'wq.weight' ...
+    """
+    for path, placement in placements.items():
+        if isinstance(placement, Shard):
+            for owner, unit in _declared_units(root, path):
+                _require_whole_units(root, owner, path, placement, unit, num_ranks)
+
+
+def _declared_units(root: nn.Module, path: str):
+    """``(ancestor path, unit)`` for every ancestor of ``path`` that declares a unit for it."""
+    parts = path.split(".")
+    for i in range(len(parts)):
+        owner = ".".join(parts[:i])
+        units = getattr(root.get_submodule(owner), "tensor_parallel_units", None) or {}
+        unit = units.get(".".join(parts[i:]))
+        if unit:
+            yield owner, unit
+
+
+def _require_whole_units(root, owner: str, path: str, placement: Shard, unit: int, num_ranks: int) -> None:
+    size = root.get_parameter(path).shape[placement.dim]
+    sizes = shard_sizes(size, num_ranks)
+    if all(n % unit == 0 for n in sizes):
+        return
+    module = root.get_submodule(owner)
+    relative = path[len(owner) + 1:] if owner else path
+    raise ValueError(
+        f"{type(module).__name__} ({owner or '<root>'!r}) declares units of {unit} elements in "
+        f"{relative!r} (e.g. attention heads), but {placement} over {num_ranks} ranks splits its "
+        f"{size} elements ({size // unit} units) as {list(sizes)}, cutting a unit. Use a "
+        f"tensor-parallel size that divides {size // unit}, or leave the module out of the plan"
+    )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard  # noqa: F401  (doctest names)
 from torch.distributed.tensor.placement_types import Placement
 
@@ -92,6 +91,12 @@ def _install_output_hook(style, module, device_mesh, module_path) -> None:
     rules.mark_prepared(module, ("output",), "PrepareModuleOutput")
 
 
+def _require_flags(style: ParallelStyle) -> None:
+    for name in ("use_local_input", "use_local_output"):
+        if hasattr(style, name):
+            setattr(style, name, rules.flag(getattr(style, name), name, type(style).__name__))
+
+
 def _required_output_layouts(layouts: object, desired: object) -> tuple[tuple, tuple]:
     if layouts is None:
         raise ValueError("PrepareModuleOutput needs output_layouts (one entry per output)")
@@ -137,6 +142,7 @@ class PrepareModuleInput(ParallelStyle):
         self.input_kwarg_layouts, self.desired_input_kwarg_layouts = rules.kwarg_layouts(
             self.input_kwarg_layouts, self.desired_input_kwarg_layouts
         )
+        _require_flags(self)
 
     def check(self, module, device_mesh, module_path=None):
         rules.check_prepare_input(module, device_mesh, module_path)
@@ -172,6 +178,7 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts, self.desired_output_layouts = _required_output_layouts(
             self.output_layouts, self.desired_output_layouts
         )
+        _require_flags(self)
 
     def check(self, module, device_mesh, module_path=None):
         rules.check_prepare_output(module, device_mesh, module_path)

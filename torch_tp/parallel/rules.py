@@ -52,6 +52,7 @@ __all__ = [
     "check_colwise",
     "check_rowwise",
     "check_sequence_parallel",
+    "check_replicate_parallel",
     "check_prepare_input",
     "check_prepare_output",
     "colwise_placements",
@@ -474,6 +475,20 @@ def check_sequence_parallel(
     require_unprepared(module, BOTH_STAGES, style, module_path)
 
 
+def check_replicate_parallel(
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None
+) -> None:
+    """Raise if ``ReplicateParallel`` cannot be applied (N-D mesh, parallelized or prepared before).
+
+    Example::
+
+        >>> check_replicate_parallel(nn.LayerNorm(8), 2, "q_norm")
+    """
+    require_1d_mesh(device_mesh, "ReplicateParallel")
+    require_plain_parameters(module, "ReplicateParallel", module_path)
+    require_unprepared(module, BOTH_STAGES, "ReplicateParallel", module_path)
+
+
 def check_prepare_input(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None) -> None:
     """Raise if ``PrepareModuleInput`` cannot be applied (N-D mesh, inputs already prepared).
 
@@ -543,7 +558,7 @@ def rowwise_placements(module: nn.Module) -> dict[str, Placement]:
 
 
 def replicated_placements(module: nn.Module) -> dict[str, Placement]:
-    """Every parameter of ``module`` replicated: ``SequenceParallel`` and ``SpatialParallel``.
+    """Every parameter of ``module`` replicated: ``SequenceParallel``, ``ReplicateParallel``, ``SpatialParallel``.
 
     Example::
 

@@ -20,7 +20,11 @@ Two ops here serve checkpoints: ``aten.is_pinned`` (DCP records it in each shard
 ``TensorProperties``), and ``aten.copy_``, which ``load_state_dict`` and ``dcp.load`` use to
 fill the model's weights. ``copy_`` replaces torchao's generic one to keep the destination's
 logical dtype (as a plain ``copy_`` does) and to turn a quantized/float mismatch into a clear
-``ValueError`` instead of an ``AttributeError`` from deep inside torchao.
+``ValueError`` instead of an ``AttributeError`` from deep inside torchao. It also refuses a
+source whose ``qdata`` is not int8 of the tensor's shape or whose ``scale`` is not float32
+under the scale rule (:meth:`Int8SymmetricTensor.layout_problem`): a plain ``copy_`` would
+broadcast the wrong-shaped ``qdata`` into every row or wrap a float one. ``load_state_dict``
+reports the error under the parameter's key (``While copying the parameter named "..."``).
 
 Why not a helper that saves ``qdata`` and ``scale`` as two separate DTensors: that needs a
 torch_tp call on both sides and a scale DTensor whose placement must be derived from the
@@ -72,6 +76,19 @@ def _describe(t: torch.Tensor) -> str:
     return f"a plain {t.dtype} tensor of shape {tuple(t.shape)}"
 
 
+def _require_valid_layouts(self: Int8SymmetricTensor, src: Int8SymmetricTensor) -> None:
+    # copy_ would broadcast a qdata of the wrong shape into every row, and cast a float
+    # qdata to int8 (wrapping): a tampered or foreign checkpoint must fail here instead.
+    for tensor, role in ((src, "the source (the state dict's or checkpoint's value)"), (self, "the destination")):
+        problem = tensor.layout_problem()
+        if problem is not None:
+            raise ValueError(
+                f"copy_ into {_describe(self)} from {_describe(src)}: in {role}, {problem}. "
+                f"It is not a valid {type(tensor).__name__}: save it again from a quantized model "
+                f"(Int8SymmetricTensor.from_hp), or check the checkpoint's origin"
+            )
+
+
 @implements(aten.copy_.default)
 def _int8_copy_(func, types, args, kwargs):
     # load_state_dict and dcp.load copy a saved weight (or a narrowed piece of one) into the
@@ -84,6 +101,7 @@ def _int8_copy_(func, types, args, kwargs):
             f"into the float model, then quantize. Loading a quantized one into a float model? "
             f"Quantize the model first (Int8SymmetricWeightConfig), or copy src.dequantize()"
         )
+    _require_valid_layouts(self, src)
     if self.shape != src.shape or self.scale.shape != src.scale.shape:
         raise ValueError(
             f"copy_ into {_describe(self)} from {_describe(src)}: shapes or scale layouts differ"

@@ -39,6 +39,13 @@ def _rows_times_weight(x2d: torch.Tensor, qdata_nk: torch.Tensor, scale_n: torch
     return scale_n * torch.mm(x2d, qdata_nk.t().to(x2d.dtype))
 
 
+def _scales_per_output_column(qdata_kn: torch.Tensor, scale_kn: torch.Tensor) -> bool:
+    """Whether a ``(K, N)`` operand's scales are ``(1, N)`` (one per output column), not
+    ``(K, 1)`` (one per summed row). Decided by ``N``: a one-row shard's ``(1, 1)`` scale with
+    ``N > 1`` is per summed row (``grad @ w`` for a weight of one output row)."""
+    return scale_kn.shape[0] == 1 and scale_kn.shape[1] == qdata_kn.shape[1]
+
+
 def _quantized_matmul(x2d: torch.Tensor, qdata_kn: torch.Tensor, scale_kn: torch.Tensor) -> torch.Tensor:
     """``x2d @ (qdata_kn * scale_kn)`` for a ``(K, N)`` int8 operand, in ``x2d.dtype``.
 
@@ -47,7 +54,7 @@ def _quantized_matmul(x2d: torch.Tensor, qdata_kn: torch.Tensor, scale_kn: torch
     backward of ``F.linear``) fold into the input first: ``(x * s.T) @ q``. Either way the
     int8 matrix is never scaled in float.
     """
-    if scale_kn.shape[0] == 1:
+    if _scales_per_output_column(qdata_kn, scale_kn):
         return _rows_times_weight(x2d, qdata_kn.t(), scale_kn.reshape(-1))
     scaled = x2d * scale_kn.reshape(1, -1).to(x2d.dtype)
     return torch.mm(scaled, qdata_kn.to(x2d.dtype))

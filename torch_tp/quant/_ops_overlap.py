@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torch_tp import overlap
-from torch_tp.quant._ops_matmul import _quantized_matmul
+from torch_tp.quant._ops_matmul import _quantized_matmul, _scales_per_output_column
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 
 __all__: list[str] = []
@@ -34,12 +34,15 @@ def _int8_chunk_matmul(qdatas: list[Tensor], scales: list[Tensor], dtype: torch.
     once here rather than once per chunk (its conversion of a float matrix is a no-op).
     """
     prepared = [
-        (qdata if scale.shape[0] == 1 else qdata.to(dtype), scale) for qdata, scale in zip(qdatas, scales)
+        (qdata if _scales_per_output_column(qdata, scale) else qdata.to(dtype), scale)
+        for qdata, scale in zip(qdatas, scales)
     ]
     return lambda rows: [_quantized_matmul(rows, qdata, scale) for qdata, scale in prepared]
 
 
 def _check_int8_operands(qdatas: list[Tensor], scales: list[Tensor], a: Tensor, op: str) -> None:
+    """The int8 layout of each matrix. Dims, shapes and empty inputs are the float op's checks,
+    which the ops run on float stand-ins (``overlap.check_*``) before any transfer."""
     for qdata, scale in zip(qdatas, scales, strict=True):
         if qdata.dtype != torch.int8 or qdata.ndim != 2 or qdata.shape[0] != a.shape[-1]:
             raise ValueError(f"{op}: expected int8 (K={a.shape[-1]}, N) data, got {qdata.dtype} {tuple(qdata.shape)}")
@@ -52,12 +55,15 @@ def _all_gather_int8_matmul(
     a_shard: Tensor, qdatas: list[Tensor], scales: list[Tensor], gather_dim: int, group_name: str
 ) -> tuple[Tensor, list[Tensor]]:
     _check_int8_operands(qdatas, scales, a_shard, "all_gather_int8_matmul")
+    overlap.check_all_gather_matmul(a_shard, _float_stand_ins(a_shard, qdatas, "meta"), gather_dim)
     chunk_matmul = _int8_chunk_matmul(qdatas, scales, a_shard.dtype)
     return overlap.ring_all_gather_matmul(a_shard, chunk_matmul, gather_dim, group_name)
 
 
-def _float_stand_ins(a: Tensor, qdatas: list[Tensor]) -> list[Tensor]:
-    return [q.new_empty(q.shape, dtype=a.dtype) for q in qdatas]
+def _float_stand_ins(a: Tensor, qdatas: list[Tensor], device=None) -> list[Tensor]:
+    """Float matrices of the int8 ones' shapes, for the float op's checks and fakes
+    (``device="meta"``: shapes only, no memory)."""
+    return [q.new_empty(q.shape, dtype=a.dtype, device=device) for q in qdatas]
 
 
 @_all_gather_int8_matmul.register_fake
@@ -71,6 +77,8 @@ def _int8_matmul_reduce_scatter(
     a: Tensor, qdata: Tensor, scale: Tensor, scatter_dim: int, group_name: str, reduce_op: str
 ) -> Tensor:
     _check_int8_operands([qdata], [scale], a, "int8_matmul_reduce_scatter")
+    (b,) = _float_stand_ins(a, [qdata], "meta")
+    overlap.check_matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
     chunk_matmul = _int8_chunk_matmul([qdata], [scale], a.dtype)
     return overlap.ring_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
 

@@ -10,6 +10,7 @@
 | ``as_strided`` (identity only) | ``torch.compile`` returning an input's alias (``detach()``) |
 | ``constant_pad_nd`` | padding uneven shards before a scatter / all-gather |
 | ``empty_like`` / ``new_empty`` | receive buffers of scatter / broadcast |
+| ``new_zeros`` | ``distribute_tensor`` with ``Shard`` when ``torch.chunk`` leaves a rank nothing (5 rows on 4 ranks: 2, 2, 1, 0) |
 | ``_to_copy`` | ``.to(device)``, ``.to(dtype)`` (changes the logical dtype only) |
 """
 
@@ -174,15 +175,36 @@ def _int8_new_empty(func, types, args, kwargs):
     return self.with_data(qdata, scale)
 
 
+@implements(aten.new_zeros.default)
+def _int8_new_zeros(func, types, args, kwargs):
+    # torch's fill_empty_tensor_to_shards builds the empty pieces as shards[0].new_zeros(size).
+    # qdata 0 is zero under any scale: a piece of the same rows (an empty feature shard) keeps
+    # their scales, so that it joins its siblings (cat along a shared dim needs equal scales);
+    # other shapes get scale 1, as zeros quantize to (the all-zero row rule of quantize_per_row).
+    self, size = args[0], args[1]
+    device = kwargs.get("device") or self.device
+    qdata = torch.zeros(size, dtype=torch.int8, device=device)
+    scale_shape = self.scale_shape_for(size)
+    if scale_shape == self.scale.shape:
+        scale = self.scale.to(device, copy=True)
+    else:
+        scale = torch.ones(scale_shape, dtype=self.scale.dtype, device=device)
+    return type(self)(qdata, scale, _logical_dtype(self, kwargs, "new_zeros"))
+
+
+def _logical_dtype(self: Int8SymmetricTensor, kwargs, op: str) -> torch.dtype:
+    dtype = kwargs.get("dtype") or self.dtype
+    if not dtype.is_floating_point:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{op}(dtype={dtype}): the logical dtype must stay floating point; "
+            f"read .qdata for the int8 values"
+        )
+    return dtype
+
+
 @implements(aten._to_copy.default)
 def _int8_to_copy(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.device
-    dtype = kwargs.get("dtype") or self.dtype
-    if not dtype.is_floating_point:
-        raise NotImplementedError(
-            f"{type(self).__name__}.to({dtype}): the logical dtype must stay floating point; "
-            f"read .qdata for the int8 values"
-        )
-    out = type(self)(self.qdata.to(device), self.scale.to(device), dtype)
+    out = type(self)(self.qdata.to(device), self.scale.to(device), _logical_dtype(self, kwargs, "to"))
     return return_and_correct_aliasing(func, args, kwargs, out)

@@ -2,7 +2,8 @@
 
 ``w ~= qdata * scale`` with ``qdata = round(w / scale)`` in [-127, 127] and
 ``scale = max|row| / 127`` per row, zero-point 0. An all-zero row gets scale 1 (finite;
-its values dequantize to exactly 0).
+its values dequantize to exactly 0), and so does a row of no elements (a ``(rows, 0)``
+weight: ``qdata`` ``(rows, 0)``, ``scale`` ``(rows, 1)``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError("cannot quantize a weight containing NaN or inf")
 
 
+def _row_amax(w32: torch.Tensor) -> torch.Tensor:
+    """``max |w|`` of each row, ``(rows, 1)``; 0 for rows of no elements (``amax`` refuses those)."""
+    if w32.shape[-1] == 0:
+        return w32.new_zeros(w32.shape[0], 1)
+    return w32.abs().amax(dim=-1, keepdim=True)
+
+
 def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float ``w`` to ``(qdata int8 of w's shape, scale float32 of shape (rows, 1))``.
 
@@ -49,7 +57,7 @@ def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check_weight(w)
     w32 = w.detach().float()
-    amax = w32.abs().amax(dim=-1, keepdim=True)
+    amax = _row_amax(w32)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
     qdata = torch.clamp(torch.round(w32 / scale), -QMAX, QMAX).to(torch.int8)
     return qdata, scale

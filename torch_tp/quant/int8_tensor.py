@@ -10,7 +10,10 @@ The scale rule, used by every shape op (:meth:`Int8SymmetricTensor.scale_follows
 
 So slicing, splitting or concatenating along a per-row dim does the same to ``scale``; along
 a broadcast dim ``scale`` is left whole; transposing transposes both. A freshly quantized
-weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``.
+weight of shape ``(rows, cols)`` has ``scale`` of shape ``(rows, 1)``. Along a dim of size 1
+the two readings look alike (a one-column shard: ``qdata`` ``(8, 1)``, ``scale`` ``(8, 1)``);
+such a dim is per-row only if no other dim is (the first one, if several): per-row scales
+vary along one dim, so the shard pads, scatters and joins like its neighbours.
 
 The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
 ``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints) and
@@ -114,19 +117,52 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
     def scale_follows(self, dim: int) -> bool:
         """Whether ``scale`` varies along ``dim`` (so ops on that dim must apply to it too).
 
+        A dim of size 1 follows only if no larger dim does (the first such dim, if several).
+
         Example::
 
             >>> q = Int8SymmetricTensor.from_hp(torch.ones(3, 4))
             >>> q.scale_follows(0), q.scale_follows(1), q.t().scale_follows(1)
             (True, False, True)
+            >>> column = q[:, :1]                       # qdata (3, 1), scale (3, 1)
+            >>> column.scale_follows(0), column.scale_follows(1)
+            (True, False)
         """
+        dims = range(self.qdata.ndim)
+        followed = [d for d in dims if self.scale.shape[d] == self.qdata.shape[d]]
         dim = dim % self.qdata.ndim
-        return self.scale.shape[dim] == self.qdata.shape[dim]
+        if dim not in followed or self.qdata.shape[dim] != 1:
+            return dim in followed
+        return dim == followed[0] and all(self.qdata.shape[d] == 1 for d in followed)
+
+    def layout_problem(self) -> str | None:
+        """What keeps ``qdata`` and ``scale`` from standing for this tensor, or ``None``: ``qdata``
+        must be int8 of the tensor's shape, ``scale`` float32 following the scale rule.
+
+        Example::
+
+            >>> q = Int8SymmetricTensor.from_hp(torch.ones(3, 4))
+            >>> q.layout_problem() is None
+            True
+            >>> q.qdata = q.qdata.float()
+            >>> q.layout_problem()
+            'qdata is torch.float32, not torch.int8'
+        """
+        qdata, scale = self.qdata, self.scale
+        if qdata.dtype != torch.int8:
+            return f"qdata is {qdata.dtype}, not torch.int8"
+        if qdata.shape != self.shape:
+            return f"qdata has shape {tuple(qdata.shape)}, not the tensor's {tuple(self.shape)}"
+        if scale.dtype != torch.float32:
+            return f"scale is {scale.dtype}, not torch.float32"
+        if scale.ndim != qdata.ndim or any(s not in (q, 1) for s, q in zip(scale.shape, qdata.shape)):
+            return (f"scale has shape {tuple(scale.shape)}, which breaks the scale rule for qdata of "
+                    f"shape {tuple(qdata.shape)} (each dim of scale is qdata's size or 1)")
+        return None
 
     def scale_shape_for(self, shape) -> torch.Size:
         """The ``scale`` shape a tensor of ``shape`` with this tensor's scale layout has."""
-        return torch.Size(size if self.scale.shape[d] != 1 or self.qdata.shape[d] == 1 else 1
-                          for d, size in enumerate(shape))
+        return torch.Size(size if self.scale_follows(d) else 1 for d, size in enumerate(shape))
 
     def with_data(self, qdata: torch.Tensor, scale: torch.Tensor) -> "Int8SymmetricTensor":
         """A tensor of this class and dtype around new ``qdata`` and ``scale``."""

@@ -7,12 +7,14 @@ naming the parameter that differs.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["full_tensor", "local_chunk", "assert_params_and_grads_match"]
+__all__ = ["assert_params_and_grads_match", "assert_training_step_matches", "full_tensor", "local_chunk"]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -71,3 +73,39 @@ def assert_params_and_grads_match(
             full_tensor(param.grad), full_tensor(ref_param.grad), rtol=rtol, atol=atol,
             msg=lambda m: f"{prefix}grad of {name}: {m}",
         )
+
+
+def assert_training_step_matches(
+    module: nn.Module,
+    reference: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    params: bool = True,
+    what: str = "",
+) -> float:
+    """Run forward and backward of ``module`` and ``reference`` on one batch; assert they agree.
+
+    Outputs and losses (``loss_fn(output, targets)``) must match, then every parameter (unless
+    ``params=False``) and gradient, as in :func:`assert_params_and_grads_match`. The optimizer
+    step is the caller's. Returns ``module``'s loss as a float.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> for step in range(3):
+        ...     loss = assert_training_step_matches(model, reference, tokens, targets, loss_fn, what=f"step {step}")
+        ...     optimizer.step(); ref_optimizer.step()
+    """
+    prefix = f"{what} " if what else ""
+    out, ref_out = module(inputs), reference(inputs)
+    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol, msg=lambda m: f"{prefix}output: {m}")
+    loss, ref_loss = loss_fn(out, targets), loss_fn(ref_out, targets)
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=lambda m: f"{prefix}loss: {m}")
+    loss.backward()
+    ref_loss.backward()
+    assert_params_and_grads_match(module, reference, rtol=rtol, atol=atol, params=params, what=what)
+    return loss.item()

@@ -1,0 +1,33 @@
+"""The verify_plan tutorial runs as users run it: a correct plan passes, two wrong ones are named."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# a subprocess run of seconds: `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+
+def _tutorial_output():
+    done = subprocess.run(
+        [sys.executable, "tutorials/verify_plan.py"], capture_output=True, text=True, cwd=ROOT, timeout=240
+    )
+    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_verify_plan_tutorial_passes_the_right_plan_and_names_what_the_wrong_ones_break():
+    out = _tutorial_output()
+    right, no_norms, untied = re.split(r"^== .*$", out, flags=re.M)[1:]
+    assert right.strip().startswith("verify_plan: OK, the parallel model trains like the single-process one (3 steps on 2 ranks")
+    assert no_norms.strip().startswith("verify_plan: 12 findings")
+    for layer in (0, 1):
+        for norm in ("q_norm", "k_norm"):
+            assert re.search(rf"step 0  gradient differs across ranks +layers\.{layer}\.attention\.{norm}\.weight", no_norms)
+    assert "ReplicateParallel(input_layouts=Shard(2))" in no_norms
+    assert re.search(r"model +tie broken +output\.weight .* is tok_embeddings\.weight in the single-process model", untied)
+    assert re.search(r"step 0 +gradient +output\.weight", untied)

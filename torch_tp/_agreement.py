@@ -1,0 +1,150 @@
+"""One check across the ranks of a group, before a collective that needs them to agree.
+
+A collective whose ranks disagree (another shape, another dtype, a plan that failed on one
+rank) aborts the process or leaves the other ranks waiting until the timeout. So every rank
+first runs its own checks and states, as :class:`Fact` rows, what the ranks must hold the
+same; then :func:`agree_or_raise` compares them and every rank raises the same way before
+any rank enters the real collective:
+
+- a rank whose own check failed raises its own exception;
+- the other ranks raise ``ValueError`` naming each rank that failed and its error;
+- ranks that passed but hold different facts raise ``ValueError`` naming the first fact
+  that differs, each rank's value and what to change.
+
+It costs one ``dist.all_gather`` of an 8-byte digest per rank (of this rank's facts, or of
+its error), so each rank receives ``8 * group size`` bytes. Only when the digests differ
+does one ``dist.all_gather_object`` of every rank's error and facts follow, to write the
+message. ``parallelize_module`` states its plan and its parameters' shapes; the fused ops
+state their operands' dtype, shape, dims and kinds.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> try:
+    ...     problem, facts = None, [Fact("inputs have different shapes", tuple(x.shape), "pad them")]
+    ... except ValueError as error:  # this rank's own checks
+    ...     problem, facts = error, []
+    >>> agree_or_raise(group, problem, facts, what="my_op", device=x.device)
+    >>> # on 2 ranks whose x differ, both raise:
+    >>> # ValueError: my_op: the ranks' inputs have different shapes [(3, 8), (2, 8)]; pad them
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Fact", "agree_or_raise"]
+
+_MISSING = "<missing>"  # shown for a rank that does not state a fact the others state
+
+
+class Fact(NamedTuple):
+    """One thing every rank of the group must hold the same.
+
+    A difference reads ``"<what>: the ranks' <topic> [<value on each rank>]; <fix>"``, so
+    ``topic`` is a phrase such as ``"inputs have different shapes"`` or ``"models hold
+    parameter 'w' as"``. Values are compared by ``repr`` and shown by ``str``; they are
+    pickled to the other ranks only when something differs.
+
+    Example::
+
+        >>> Fact("inputs have different dtypes", torch.float32, "convert with .to(dtype)").topic
+        'inputs have different dtypes'
+    """
+
+    topic: str
+    value: object
+    fix: str
+
+
+def agree_or_raise(
+    group: dist.ProcessGroup,
+    problem: Exception | None,
+    facts: Sequence[Fact],
+    *,
+    what: str,
+    device: torch.device | str,
+) -> None:
+    """Return on every rank of ``group`` if no rank failed and all hold the same ``facts``;
+    else raise on every rank.
+
+    Args:
+        group: the ranks that will run the collective; every one of them must call this.
+        problem: the exception this rank's own checks raised, or ``None``.
+        facts: what this rank holds (ignored when ``problem`` is set).
+
+    Keyword Args:
+        what: the caller's name, which starts every message (``"all_gather_matmul"``).
+        device: where the digest goes: the group's device (NCCL moves only CUDA tensors).
+
+    Raises:
+        ``problem`` on this rank if set; otherwise ``ValueError`` if another rank failed or
+        the ranks' facts differ. Values are listed in group order, followed by the group's
+        global ranks when they are not ``0 .. size - 1``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> agree_or_raise(group, None, [Fact("calls pass different reduce_op values", "sum", "use one")],
+        ...                what="my_op", device="cpu")
+    """
+    refusal = None if problem is None else _refusal(problem, what)
+    if group.size() > 1 and not _digests_agree(group, _digest(refusal, facts), device):
+        details = [None] * group.size()
+        dist.all_gather_object(details, (refusal, list(facts)), group=group)
+        if problem is None:
+            raise ValueError(_disagreement(details, dist.get_process_group_ranks(group), what))
+    if problem is not None:
+        raise problem
+
+
+def _refusal(problem: Exception, what: str) -> str:
+    """``"ValueError: <message>"``, without the caller's name the message may start with."""
+    return f"{type(problem).__name__}: {str(problem).removeprefix(f'{what}: ')}"
+
+
+def _digest(refusal: str | None, facts: Sequence[Fact]) -> int:
+    """64 bits of SHA-256 over this rank's error, or over its facts' topics and values."""
+    text = f"refused {refusal}" if refusal is not None else "\n".join(f"{f.topic}: {f.value!r}" for f in facts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _digests_agree(group: dist.ProcessGroup, digest: int, device) -> bool:
+    """The one all-gather of the happy path: 8 bytes from each rank."""
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    return bool(torch.cat(gathered).eq(digest).all())
+
+
+def _disagreement(details: list, ranks: list[int], what: str) -> str:
+    """The message for a rank whose own checks passed: who failed, else what differs."""
+    refused = [f"rank {rank}: {refusal}" for rank, (refusal, _) in zip(ranks, details) if refusal is not None]
+    if refused:
+        return (
+            f"{what}: another rank refused its arguments ({'; '.join(refused)}). This rank's "
+            f"arguments passed, but {what} runs on every rank of the group at once: fix the "
+            f"call on the rank named"
+        )
+    return _first_difference([facts for _, facts in details], ranks, what)
+
+
+def _first_difference(fact_lists: list[list[Fact]], ranks: list[int], what: str) -> str:
+    """The first topic (in rank order of statement) whose value is not the same on every rank."""
+    held_by_rank = [{fact.topic: fact for fact in facts} for facts in fact_lists]
+    for topic in dict.fromkeys(fact.topic for facts in fact_lists for fact in facts):
+        held = [facts.get(topic) for facts in held_by_rank]
+        if len({_MISSING if fact is None else repr(fact.value) for fact in held}) > 1:
+            return _difference(topic, held, ranks, what)
+    return f"{what}: the ranks' facts differ but compare equal; report this as a bug in torch_tp"
+
+
+def _difference(topic: str, held: list[Fact | None], ranks: list[int], what: str) -> str:
+    values = ", ".join(_MISSING if fact is None else str(fact.value) for fact in held)
+    where = "" if ranks == list(range(len(ranks))) else f" on ranks {ranks}"
+    fix = next(fact.fix for fact in held if fact is not None)
+    return f"{what}: the ranks' {topic} [{values}]{where}; {fix}"
