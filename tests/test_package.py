@@ -24,6 +24,8 @@ PUBLIC_MODULES = [
     "torch_tp.models.llama",
     "torch_tp.testing",
     "torch_tp.launch",
+    "torch_tp.loss",
+    "torch_tp.integrations.transformers",
     "torch_tp.demo",
 ]
 PACKAGE = ROOT / "torch_tp"

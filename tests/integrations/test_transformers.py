@@ -1,0 +1,210 @@
+"""Hugging Face transformers decoders parallelized from their own plans match the single-process model.
+
+Tiny configs built from the config classes (no download): vocab 128, hidden 64, 2 layers,
+8 heads of 8 with 4 key/value heads, so both world sizes split whole heads.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate
+
+from torch_tp import explain_plan, verify_plan
+from torch_tp.testing import assert_training_step_matches, run_on_ranks, tp_mesh, world_sizes
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
+VOCAB = 128
+# float32. AdamW normalizes each update by the gradient's running scale, so for a gradient
+# element near zero a 1e-8 difference moves the parameter by up to lr: the optimizer's eps is
+# raised to 1e-5 (elements below that scale move by ~g/eps * lr) and comparisons allow 1e-4
+TOL = dict(rtol=1e-4, atol=1e-4)
+ADAMW = dict(lr=1e-3, eps=1e-5)
+
+
+def _config_and_class(family):
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),  # tied embeddings
+    }
+    config_name, model_name = classes[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    return config, getattr(transformers, model_name)
+
+
+def _build(family):
+    config, model_class = _config_and_class(family)
+    torch.manual_seed(0)
+    return model_class(config)
+
+
+def _loss(output, targets):
+    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+
+class _Logits(torch.nn.Module):
+    """The model with its logits as output, for assert_training_step_matches."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits
+
+
+def _trains_like_one_process(family, sequence_parallel):
+    from torch_tp.integrations.transformers import parallelize
+
+    reference = _build(family)
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sequence_parallel)
+    if family == "gemma":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    norm = model.model.layers[0].input_layernorm.weight
+    assert type(norm).__name__ == ("DTensor" if sequence_parallel else "Parameter")
+    optimizers = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (model, reference)]
+    wrapped, wrapped_reference = _Logits(model), _Logits(reference)
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, 8))
+        targets = torch.randint(0, VOCAB, (2, 8))
+        assert_training_step_matches(
+            wrapped, wrapped_reference, ids, targets,
+            lambda logits, t: torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten()),
+            **TOL, what=f"{family} sp={sequence_parallel} step {step}",
+        )
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(full, q, **TOL, msg=lambda m: f"{name} after 3 steps: {m}")
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_decoder_parallelized_from_its_own_plan_trains_like_one_process(world_size, family):
+    run_on_ranks(_trains_like_one_process, world_size, family, False)
+    run_on_ranks(_trains_like_one_process, world_size, family, True)
+
+
+def _greedy_generation(family):
+    from torch_tp.integrations.transformers import parallelize
+
+    reference = _build(family).eval()
+    model = parallelize(copy.deepcopy(reference), tp_mesh())
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    kwargs = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    ours, theirs = model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs)
+    assert torch.equal(ours, theirs), (ours, theirs)
+    return ours.tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_generation_with_a_kv_cache_gives_the_single_process_tokens(family):
+    tokens = run_on_ranks(_greedy_generation, 2, family)
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 5 + 8
+
+
+def _verified(family):
+    from torch_tp.integrations.transformers import tp_plan
+
+    reference = _build(family)
+    report = verify_plan(
+        lambda: _build(family), tp_mesh(), tp_plan(reference), lambda step: (torch.randint(0, VOCAB, (2, 8)),),
+        loss_fn=lambda out: out.logits.float().pow(2).mean(), raise_on_mismatch=False,
+    )
+    return report.ok, str(report)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_verify_plan_passes_on_the_translated_plan(family):
+    ok, text = run_on_ranks(_verified, 2, family)[0]
+    assert ok, text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_explain_plan_works_on_a_meta_model(family):
+    from torch_tp.integrations.transformers import tp_plan
+
+    config, model_class = _config_and_class(family)
+    with torch.device("meta"):
+        model = model_class(config)
+    report = explain_plan(model, 4, tp_plan(model, sequence_parallel=True))
+    assert not report.problems()
+    rows = {row.path: row for row in report}
+    assert rows["model.layers.0.self_attn.q_proj.weight"].local_shapes[0] == (16, 64)
+
+
+def test_plan_translation_drops_unbuilt_modules_and_refuses_unknown_strings():
+    from torch_tp import ReplicateParallel
+    from torch_tp.integrations.transformers import tp_plan
+
+    model = _build("qwen3")
+    plan = tp_plan(model)
+    assert isinstance(plan["model.layers.*.self_attn.q_norm"], ReplicateParallel)
+    # the parents of the colwise projections turn their input into one DTensor: by keyword for
+    # the attention (transformers calls self_attn(hidden_states=...)), positionally for the MLP
+    assert plan["model.layers.0.self_attn"].input_kwarg_layouts == {"hidden_states": Replicate()}
+    assert plan["model.layers.1.mlp"].input_layouts == (Replicate(),)
+    # transformers merges the base model's plan into the instance's _tp_plan when it builds it
+    original = dict(model._tp_plan)
+    model._tp_plan = {**original, "model.layers.*.mlp.nonexistent": "colwise"}
+    assert "model.layers.*.mlp.nonexistent" not in tp_plan(model)  # a module this config does not build
+    model._tp_plan = {**original, "model.layers.*.mlp.up_proj": "colwise_sideways"}
+    with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj' is 'colwise_sideways'.*transformers 5"):
+        tp_plan(model)
+    model._tp_plan = {**original, "model.layers.*.mlp.up_proj": "moe_tp_experts"}
+    with pytest.raises(NotImplementedError, match="experts=None"):
+        tp_plan(model)
+    assert "model.layers.*.mlp.up_proj" not in tp_plan(model, experts=None)
+
+
+def _three_heads_on_two_ranks():
+    from torch_tp.integrations.transformers import parallelize
+
+    config, model_class = _config_and_class("llama")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 3, 3, 8
+    config.hidden_size = 24
+    try:
+        parallelize(model_class(config), tp_mesh())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_head_count_the_mesh_cannot_split_is_refused_naming_the_attention_module():
+    message = run_on_ranks(_three_heads_on_two_ranks, 2)[0]
+    assert "LlamaAttention ('model.layers.0.self_attn')" in message and "(3 units) as [12, 12]" in message
+
+
+def _vocab_parallel_loss(family, sequence_parallel):
+    from torch_tp.integrations.transformers import parallelize
+    from torch_tp.loss import cross_entropy
+
+    reference = _build(family)
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sequence_parallel, vocab_parallel_loss=True)
+    ids, targets = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
+    logits = model(ids).logits
+    assert type(logits).__name__ == "DTensor" and logits.placements[0].is_shard(dim=2)  # never gathered
+    loss = cross_entropy(logits, targets, label_smoothing=0.1)
+    want = torch.nn.functional.cross_entropy(reference(ids).logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+    torch.testing.assert_close(loss, want, **TOL)
+    loss.backward()
+    want.backward()
+    from torch_tp.testing import assert_params_and_grads_match
+
+    assert_params_and_grads_match(model, reference, **TOL)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_vocab_parallel_loss_on_sharded_logits_matches_the_single_process_loss(sequence_parallel):
+    run_on_ranks(_vocab_parallel_loss, 2, "gemma", sequence_parallel)

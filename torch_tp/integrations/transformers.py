@@ -1,0 +1,242 @@
+"""Hugging Face transformers models parallelized by torch_tp, from the plans the models carry.
+
+Every transformers model class carries a tensor-parallel plan in transformers' own vocabulary:
+``config.base_model_tp_plan`` (keys relative to the base model) and the task model's
+``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``); transformers adds
+``{"embed_tokens": "embedding_rowwise"}`` itself. :func:`tp_plan` translates them into a
+torch_tp plan (see :data:`STYLES` for the vocabulary) and :func:`parallelize` applies it with
+what the model needs around it: the attention modules declare their heads as whole units
+(so a head count the mesh cannot split is refused before anything changes), and a tied
+``lm_head`` / ``embed_tokens`` pair, sharded alike, stays one Parameter. transformers is
+imported by the caller, never by torch_tp.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group and transformers")
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+    ...                                      num_attention_heads=4, intermediate_size=128))
+    >>> parallelize(model, mesh, sequence_parallel=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from torch_tp.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    ReplicateParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    match_pattern,
+    parallelize_module,
+)
+
+__all__ = ["STYLES", "tp_plan", "parallelize"]
+
+_SEQ = Shard(1)
+
+
+def _lm_head(sequence_parallel: bool, vocab_parallel_loss: bool) -> ParallelStyle:
+    """The output head: vocab-sharded logits kept as a DTensor for the vocab-parallel loss, else gathered."""
+    input_layouts = _SEQ if sequence_parallel else Replicate()
+    if vocab_parallel_loss:
+        return ColwiseParallel(input_layouts=input_layouts, use_local_output=False)
+    return ColwiseParallel(input_layouts=input_layouts, output_layouts=Replicate())
+
+
+#: transformers' TP vocabulary -> ``style(sequence_parallel, vocab_parallel_loss)``. Inputs of
+#: sharded layers come from a ``PrepareModuleInput`` on their parent (see :func:`tp_plan`).
+STYLES: dict[str, Callable[[bool, bool], ParallelStyle]] = {
+    "colwise": lambda sp, vp: ColwiseParallel(),
+    "rowwise": lambda sp, vp: RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel(),
+    "colwise_rep": lambda sp, vp: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda sp, vp: RowwiseParallel(),
+    "colwise_gather_output": _lm_head,
+    "rowwise_split_input": lambda sp, vp: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda sp, vp: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=_SEQ if sp else Replicate(), use_local_output=not sp
+    ),
+    "embedding_colwise": lambda sp, vp: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "sequence_parallel": lambda sp, vp: SequenceParallel(),
+    # per-head q_norm/k_norm on (batch, seq, local heads, head_dim): gradients summed over ranks
+    "replicated_with_grad_allreduce": lambda sp, vp: ReplicateParallel(input_layouts=Shard(2)),
+}
+
+# Strings transformers uses that torch_tp does not translate yet, and what to do instead.
+_NOT_YET = {
+    "packed_colwise": "MoE experts' fused gate_up_proj (expert parallelism lands with torch_tp's MoE styles)",
+    "packed_rowwise": "MoE experts' fused weights",
+    "moe_tp_experts": "MoE experts",
+    "moe_identity_expert": "MoE experts",
+    "local_params": "MoE experts",
+    "mla_kv_a_proj": "multi-head latent attention",
+    "all_reduce": "a module whose output transformers all-reduces",
+    "replicate": "a module transformers replicates",
+}
+
+# The pre-norms of a decoder layer and the final norm: under sequence parallelism they run on
+# sequence shards. transformers names them differently across families.
+_NORMS = ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "layers.*.pre_feedforward_layernorm",
+          "layers.*.post_feedforward_layernorm", "norm")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """``"model."`` for a task model (``LlamaForCausalLM.model``), ``""`` for a base model."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
+
+
+def _model_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own plan, keys from ``model``: base model plan (prefixed), embedding, task head.
+
+    transformers (5.x) merges all three into the instance's ``_tp_plan`` when it builds the
+    model; the class attributes are read too, for models built another way.
+    """
+    config = model.config
+    prefix = _base_prefix(model)
+    plan = {f"{prefix}embed_tokens": "embedding_rowwise"}
+    plan.update({f"{prefix}{key}": value for key, value in (getattr(config, "base_model_tp_plan", None) or {}).items()})
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return plan
+
+
+def _translated(key: str, value: str, sequence_parallel: bool, vocab_parallel_loss: bool) -> ParallelStyle:
+    if value in STYLES:
+        return STYLES[value](sequence_parallel, vocab_parallel_loss)
+    if value in _NOT_YET:
+        raise NotImplementedError(
+            f"tp_plan: {key!r} is {value!r} in the model's plan ({_NOT_YET[value]}), which torch_tp "
+            f"does not translate yet (transformers {_transformers_version()}); pass experts=None to "
+            f"leave such modules unsharded, or give them a style in your own plan"
+        )
+    raise ValueError(
+        f"tp_plan: {key!r} is {value!r} in the model's plan, a string torch_tp does not know "
+        f"(transformers {_transformers_version()}); known: {sorted(STYLES) + sorted(_NOT_YET)}"
+    )
+
+
+def _input_preparation(model: nn.Module, plan: dict[str, ParallelStyle], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A ``PrepareModuleInput`` on every parent of sharded Colwise layers (attention, MLP).
+
+    The parent turns its input into one DTensor, so sibling projections (q/k/v, gate/up)
+    share it: their input gradients are summed before one collective. Under sequence
+    parallelism this is also where the sequence shards are gathered.
+    """
+    between = _SEQ if sequence_parallel else Replicate()
+    paths = [path for path, _ in model.named_modules()]
+    sharded = [key for key, style in plan.items() if type(style) is ColwiseParallel and style.output_layouts != Replicate()]
+    parents = sorted({path.rpartition(".")[0] for key in sharded for path in match_pattern(key, paths)})
+    prepared = {}
+    for parent in filter(None, parents):
+        if _called_by_keyword(parent):
+            prepared[parent] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": between}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+            )
+        else:
+            prepared[parent] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+    return prepared
+
+
+def _called_by_keyword(path: str) -> bool:
+    """transformers' decoder layers call ``self_attn(hidden_states=...)`` by keyword, ``mlp(x)`` positionally."""
+    return path.rpartition(".")[2] in ("self_attn", "attn", "attention", "cross_attn")
+
+
+def tp_plan(
+    model: nn.Module,
+    *,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool = False,
+    experts: str | None = "tensor",
+) -> dict[str, ParallelStyle]:
+    """The torch_tp plan for a transformers ``PreTrainedModel`` (task or base model), from its own plan.
+
+    Translates ``config.base_model_tp_plan``, the task model's ``_tp_plan`` and the
+    ``embed_tokens`` entry transformers adds (vocabulary: :data:`STYLES`). Keys for modules
+    this instance does not build (a dense-MLP key in an all-MoE model) are dropped here, by the
+    translator; a plan you write yourself stays strict. The attention and MLP modules get a
+    ``PrepareModuleInput``, so their projections share one input DTensor.
+
+    Keyword Args:
+        sequence_parallel (bool): shard activations between layers on the sequence dim; the
+            decoder norms run on sequence shards (``SequenceParallel``).
+        vocab_parallel_loss (bool): keep the logits sharded on the vocab as a DTensor, for
+            :func:`torch_tp.loss.cross_entropy`. Default: gathered logits, as transformers.
+        experts (str or None): ``"tensor"`` translates expert entries (not yet supported:
+            raises); ``None`` leaves MoE experts out of the plan (attention-only).
+
+    Returns:
+        ``{pattern: style}`` for :func:`torch_tp.parallelize_module`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs transformers")
+        >>> tp_plan(LlamaForCausalLM(config))["model.layers.*.self_attn.q_proj"]
+        ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), use_local_output=True)
+    """
+    paths = [path for path, _ in model.named_modules()]
+    plan: dict[str, ParallelStyle] = {}
+    for key, value in _model_plan(model).items():
+        if experts is None and (value in _NOT_YET or ".experts" in key):
+            continue
+        if not match_pattern(key, paths):
+            continue  # a module this config does not build
+        plan[key] = _translated(key, value, sequence_parallel, vocab_parallel_loss)
+    plan.update(_input_preparation(model, plan, sequence_parallel))
+    if sequence_parallel:
+        prefix = _base_prefix(model)
+        plan.update({f"{prefix}{norm}": SequenceParallel() for norm in _NORMS if match_pattern(f"{prefix}{norm}", paths)})
+    return plan
+
+
+def _declare_heads(model: nn.Module) -> None:
+    """Tell torch_tp's plan check that the q/k/v/o projections are made of whole heads."""
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or not hasattr(module, "q_proj"):
+            continue
+        units = {f"{name}.weight": head_dim for name in ("q_proj", "k_proj", "v_proj", "o_proj") if hasattr(module, name)}
+        units.update({f"{name}.bias": head_dim for name in ("q_proj", "k_proj", "v_proj")
+                      if getattr(getattr(module, name, None), "bias", None) is not None})
+        module.tensor_parallel_units = units
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool = False,
+    experts: str | None = "tensor",
+    src_data_rank: int | None = 0,
+) -> nn.Module:
+    """``parallelize_module(model, mesh, tp_plan(model, ...))`` plus what the model needs around it.
+
+    The attention modules declare their heads as whole units (a head count the mesh cannot
+    split raises before anything changes); a tied ``lm_head`` / ``embed_tokens`` pair is
+    placed alike by the plan (both ``Shard(0)``) and stays one Parameter. Generation with a
+    KV cache works (each rank caches its own heads); keep ``sequence_parallel=False`` there,
+    since one new token does not split over the ranks.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group and transformers")
+        >>> model = parallelize(Qwen3ForCausalLM(config), mesh)
+        >>> model(input_ids).logits.shape   # replicated logits, as one process computes them
+    """
+    _declare_heads(model)
+    plan = tp_plan(model, sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss, experts=experts)
+    return parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)
