@@ -26,14 +26,8 @@ import torch.nn as nn
 
 from torch_tp.conv.spatial import SpatialParallel
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-from torch_tp.parallel.style import (
-    ColwiseParallel,
-    ParallelStyle,
-    ReplicateParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    replicate,
-)
+from torch_tp.parallel.replicate import ReplicateParallel, replicate
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
     "colwise",
@@ -95,7 +89,8 @@ colwise = _function_form("colwise", ColwiseParallel, """Shard an ``nn.Linear``'s
 
     ``module`` may be a list of sibling layers that read one input (``[wq, wk, wv]``), as one
     plan entry matching them would give: each is sharded, and with ``overlap=True`` they
-    share one fused all-gather.
+    share one fused all-gather. ``packed=k`` shards a fused weight of ``k`` stacked parts
+    (``gate_up_proj``) part by part.
 
     Example::
 

@@ -13,7 +13,8 @@ from torch_tp.parallel.init import init_parameters, module_seed
 from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from torch_tp.parallel.rules import UnsupportedModuleError
-from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, ReplicateParallel, RowwiseParallel, SequenceParallel
+from torch_tp.parallel.replicate import ReplicateParallel
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch_tp.parallel.verify import VerificationReport, verify_plan
 
 __all__ = [

@@ -15,7 +15,8 @@ from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
 from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, planned_placements, resolve_plan, retie
-from torch_tp.parallel.style import ParallelStyle, replicate
+from torch_tp.parallel.replicate import replicate
+from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
 

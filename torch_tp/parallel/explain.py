@@ -99,25 +99,35 @@ class PlanReport:
         return f"PlanReport({len(self.rows)} rows over {self.num_ranks} ranks)"
 
 
+def _dim_sizes(size: int, placement: Placement, num_ranks: int) -> tuple[int, ...]:
+    """Each rank's length of the sharded dim; a packed shard holds a slice of each part."""
+    parts = rules.parts_of(placement)
+    return tuple(parts * n for n in shard_sizes(size // parts, num_ranks))
+
+
 def _local_shape(shape: tuple[int, ...], placement: Placement | None, rank: int, num_ranks: int):
-    if not isinstance(placement, Shard):
+    dim = rules.sharded_dim(placement)
+    if dim is None:
         return shape
-    dim = placement.dim % len(shape)
+    dim %= len(shape)
     local = list(shape)
-    local[dim] = shard_sizes(shape[dim], num_ranks)[rank]
+    local[dim] = _dim_sizes(shape[dim], placement, num_ranks)[rank]
     return tuple(local)
 
 
 def _shard_note(shape: tuple[int, ...], placement: Placement | None, num_ranks: int) -> str:
-    if not isinstance(placement, Shard):
+    dim = rules.sharded_dim(placement)
+    if dim is None:
         return ""
-    size = shape[placement.dim % len(shape)]
-    sizes = shard_sizes(size, num_ranks)
+    size = shape[dim % len(shape)]
+    parts = rules.parts_of(placement)
+    what = f"{size}" if parts == 1 else f"each of {parts} parts of {size // parts}"
+    sizes = shard_sizes(size // parts, num_ranks)
     if 0 in sizes:
         empty = [r for r, n in enumerate(sizes) if n == 0]
-        return f"empty shard: {size} over {num_ranks} ranks leaves ranks {empty} nothing"
+        return f"empty shard: {what} over {num_ranks} ranks leaves ranks {empty} nothing"
     if len(set(sizes)) > 1:
-        return f"uneven: {size} over {num_ranks} ranks -> {', '.join(map(str, sizes))}"
+        return f"uneven: {what} over {num_ranks} ranks -> {', '.join(map(str, sizes))}"
     return ""
 
 
@@ -131,8 +141,9 @@ def _local_bytes(param: torch.Tensor, local_shape: tuple[int, ...], placement) -
     total = 0
     for inner in (getattr(param, name) for name in inner_names):
         shape = list(inner.shape)
-        if isinstance(placement, Shard) and inner.ndim == param.ndim:
-            dim = placement.dim % param.ndim
+        dim = rules.sharded_dim(placement)
+        if dim is not None and inner.ndim == param.ndim:
+            dim %= param.ndim
             if inner.shape[dim] == param.shape[dim]:
                 shape[dim] = local_shape[dim]
         total += int(torch.Size(shape).numel()) * inner.element_size()
@@ -225,6 +236,8 @@ def _short(placement: Placement | None) -> str:
         return "plain"
     if isinstance(placement, Shard):
         return f"Shard({placement.dim})"
+    if rules.parts_of(placement) > 1:
+        return f"Shard({placement.dim}) packed={rules.parts_of(placement)}"
     return type(placement).__name__ + "()"
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -311,7 +311,7 @@ def check_whole_units(root: nn.Module, placements: dict[str, Placement | None], 
         ValueError: ModuleDict ('<root>') declares units of 8 elements in 'wq.weight' ...
     """
     for path, placement in placements.items():
-        if isinstance(placement, Shard):
+        if rules.sharded_dim(placement) is not None:
             for owner, unit in _declared_units(root, path):
                 _require_whole_units(root, owner, path, placement, unit, num_ranks)
 
@@ -327,8 +327,10 @@ def _declared_units(root: nn.Module, path: str):
             yield owner, unit
 
 
-def _require_whole_units(root, owner: str, path: str, placement: Shard, unit: int, num_ranks: int) -> None:
-    size = root.get_parameter(path).shape[placement.dim]
+def _require_whole_units(root, owner: str, path: str, placement: Placement, unit: int, num_ranks: int) -> None:
+    # a packed weight (k stacked parts) is sharded part by part: each part must split whole
+    parts = rules.parts_of(placement)
+    size = root.get_parameter(path).shape[rules.sharded_dim(placement)] // parts
     sizes = shard_sizes(size, num_ranks)
     if all(n % unit == 0 for n in sizes):
         return
@@ -336,7 +338,7 @@ def _require_whole_units(root, owner: str, path: str, placement: Shard, unit: in
     relative = path[len(owner) + 1:] if owner else path
     raise ValueError(
         f"{type(module).__name__} ({owner or '<root>'!r}) declares units of {unit} elements in "
-        f"{relative!r} (e.g. attention heads), but {placement} over {num_ranks} ranks splits its "
-        f"{size} elements ({size // unit} units) as {list(sizes)}, cutting a unit. Use a "
+        f"{relative!r} (e.g. attention heads), but {placement!r} over {num_ranks} ranks splits "
+        f"{'each part of ' if parts > 1 else 'its '}{size} elements ({size // unit} units) as {list(sizes)}, cutting a unit. Use a "
         f"tensor-parallel size that divides {size // unit}, or leave the module out of the plan"
     )

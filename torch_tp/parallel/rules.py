@@ -4,15 +4,17 @@ it puts parameters.
 Three kinds of rule live here, each once:
 
 * **normalizers** (:func:`flag`, :func:`single_layout`, :func:`layout_tuple`,
-  :func:`paired_layouts`, :func:`kwarg_layouts`, :func:`overlap_layout`) turn a style's
-  keyword arguments into the values it stores, or raise. Style constructors call them, and
-  so do the function forms, because those build the style;
+  :func:`paired_layouts`, :func:`kwarg_layouts`, :func:`overlap_layout`, :func:`packed_parts`)
+  turn a style's keyword arguments into the values it stores, or raise. Style constructors
+  call them, and so do the function forms, because those build the style;
 * **checks** (``check_*`` and the ``require_*`` helpers they are made of) raise, with the
   module path and the fix, when a style cannot be applied to a module, and change nothing.
   ``parallelize_module`` runs them for every entry before it changes anything;
 * **placements** (``*_placements``) say where each parameter goes. Applying a style
   distributes exactly these; :func:`torch_tp.explain_plan` only reads them, so the report
-  and the real application cannot disagree.
+  and the real application cannot disagree. A packed (fused) weight, ``k`` matrices stacked
+  along the sharded dim, is placed by :func:`packed_shard`: each rank holds its slice of
+  every part.
 
 Styles defined outside :mod:`torch_tp.parallel` (:class:`torch_tp.SpatialParallel`) build
 their own rules from the same helpers.
@@ -33,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "UnsupportedModuleError",
@@ -45,6 +47,7 @@ __all__ = [
     "paired_layouts",
     "kwarg_layouts",
     "overlap_layout",
+    "packed_parts",
     "require_1d_mesh",
     "require_tensor_input",
     "require_unprepared",
@@ -58,6 +61,7 @@ __all__ = [
     "colwise_placements",
     "rowwise_placements",
     "replicated_placements",
+    "packed_shard",
 ]
 
 
@@ -233,16 +237,30 @@ def require_plain_parameters(module: nn.Module, style: str, module_path: str | N
             )
 
 
-def _require_shardable(module: nn.Module, dim: int, num_ranks: int, style: str, module_path) -> None:
+def _require_shardable(module: nn.Module, dim: int, num_ranks: int, style: str, module_path, parts: int = 1) -> None:
     # Uneven shards are fine (10 rows on 4 ranks become 3, 3, 3, 1); a dim smaller than the
-    # mesh would leave ranks with nothing, which is always a plan mistake.
-    size = module.weight.shape[dim]
+    # mesh would leave ranks with nothing, which is always a plan mistake. A packed weight
+    # is sharded part by part, so each part must be that large.
+    size = module.weight.shape[dim] // parts
     if size < num_ranks:
+        what = f"size {size} is" if parts == 1 else f"each of its {parts} packed parts has size {size},"
         raise ValueError(
             f"{style} cannot shard {describe(module, module_path)}.weight "
-            f"(shape {tuple(module.weight.shape)}) on dim {dim}: size {size} is smaller than the "
+            f"(shape {tuple(module.weight.shape)}) on dim {dim}: {what} smaller than the "
             f"{num_ranks} ranks of the mesh, so some ranks would hold nothing. Leave this "
             f"module out of the plan or use a smaller tensor-parallel mesh"
+        )
+
+
+def _require_equal_parts(module: nn.Module, dim: int, parts: int, style: str, module_path) -> None:
+    size = module.weight.shape[dim]
+    if size % parts:
+        raise ValueError(
+            f"{style}(packed={parts}) cannot split {describe(module, module_path)}.weight "
+            f"(shape {tuple(module.weight.shape)}) into {parts} equal parts on dim {dim}: "
+            f"{size} is not a multiple of {parts}. Set packed= to the number of equal matrices "
+            f"the weight stacks (2 for [gate; up], 3 for [q; k; v] with as many key/value heads "
+            f"as query heads), or leave it at 1 for an ordinary weight"
         )
 
 
@@ -378,6 +396,36 @@ def overlap_layout(layout: Placement | None, argument: str, style: str, what: st
     )
 
 
+def packed_parts(value: object, style: str, *, overlap: bool = False) -> int:
+    """``packed=k``: how many equal matrices a fused weight stacks along its sharded dim.
+
+    An int ``>= 1``; ``1`` is an ordinary weight. A packed weight cannot be overlapped: the
+    fused ops exchange one contiguous shard per rank.
+
+    Example::
+
+        >>> packed_parts(2, "ColwiseParallel")
+        2
+        >>> packed_parts(2, "ColwiseParallel", overlap=True)
+        Traceback (most recent call last):
+        ValueError: ColwiseParallel(packed=2, overlap=True) is not supported: ...
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"{style}(packed=...) takes an int, the number of matrices a fused weight stacks "
+            f"(2 for gate_up_proj, 3 for qkv); got {value!r}"
+        )
+    if value < 1:
+        raise ValueError(f"{style}(packed=...) must be at least 1 (1: an ordinary weight); got {value}")
+    if value > 1 and overlap:
+        raise ValueError(
+            f"{style}(packed={value}, overlap=True) is not supported: the fused ops exchange one "
+            f"contiguous shard per rank, and a packed weight's shard is a slice of each part. Use "
+            f"overlap=False for the packed layer"
+        )
+    return value
+
+
 def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module, module_path) -> int:
     """The activation dim an overlapped layer exchanges; it must be a leading dim split evenly."""
     dim = layout.dim % x.ndim
@@ -400,7 +448,12 @@ def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module
 
 
 def check_colwise(
-    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, overlap: bool = False
+    module: nn.Module,
+    device_mesh: DeviceMesh | int,
+    module_path: str | None = None,
+    *,
+    overlap: bool = False,
+    packed: int = 1,
 ) -> None:
     """Raise if ``ColwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
@@ -409,12 +462,20 @@ def check_colwise(
         >>> check_colwise(nn.Linear(16, 2), 4, "proj")
         Traceback (most recent call last):
         ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight (shape (2, 16)) on dim 0: ...
+        >>> check_colwise(nn.Linear(16, 12), 2, "qkv", packed=3)
     """
-    _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap)
+    _check_linear_or_embedding(
+        module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap, packed=packed
+    )
 
 
 def check_rowwise(
-    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, overlap: bool = False
+    module: nn.Module,
+    device_mesh: DeviceMesh | int,
+    module_path: str | None = None,
+    *,
+    overlap: bool = False,
+    packed: int = 1,
 ) -> None:
     """Raise if ``RowwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
@@ -424,20 +485,35 @@ def check_rowwise(
         Traceback (most recent call last):
         torch_tp.parallel.rules.UnsupportedModuleError: RowwiseParallel cannot shard 'norm' (LayerNorm): ...
     """
-    _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False, overlap=overlap)
+    _check_linear_or_embedding(
+        module, device_mesh, "RowwiseParallel", module_path, colwise=False, overlap=overlap, packed=packed
+    )
 
 
-def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool, overlap: bool) -> None:
+def _check_linear_or_embedding(
+    module, device_mesh, style, module_path, *, colwise: bool, overlap: bool, packed: int
+) -> None:
     require_1d_mesh(device_mesh, style)
     _require_module_type(module, _SHARDABLE, style, module_path)
+    if packed > 1:
+        _require_linear(module, style, f"packed={packed}", "shards the parts of a fused nn.Linear weight",
+                        "packed=1", module_path)
     _require_only_weight_and_bias(module, style, module_path)
     require_plain_parameters(module, style, module_path)
-    _require_shardable(module, _weight_shard_dim(module, colwise=colwise), mesh_size(device_mesh), style, module_path)
+    dim = _weight_shard_dim(module, colwise=colwise)
+    _require_equal_parts(module, dim, packed, style, module_path)
+    _require_shardable(module, dim, mesh_size(device_mesh), style, module_path, parts=packed)
     require_unprepared(module, BOTH_STAGES, style, module_path)
-    if overlap and not isinstance(module, nn.Linear):
+    if overlap:
+        _require_linear(module, style, "overlap=True", "fuses an nn.Linear's matmul with its communication",
+                        "overlap=False", module_path)
+
+
+def _require_linear(module: nn.Module, style: str, setting: str, why: str, fix: str, module_path) -> None:
+    if not isinstance(module, nn.Linear):
         raise UnsupportedModuleError(
-            f"{style}(overlap=True) cannot handle {describe(module, module_path)}: it fuses "
-            f"an nn.Linear's matmul with its communication; use overlap=False for this module"
+            f"{style}({setting}) cannot handle {describe(module, module_path)}: it {why}; use "
+            f"{fix} for this module"
         )
 
 
@@ -527,8 +603,40 @@ def _weight_shard_dim(module: nn.Module, *, colwise: bool) -> int:
     return 0 if colwise else 1
 
 
-def colwise_placements(module: nn.Module) -> dict[str, Placement]:
+def packed_shard(dim: int, parts: int = 1) -> Placement:
+    """The placement of a weight that stacks ``parts`` equal matrices along ``dim``, sharded part by part.
+
+    ``Shard(dim)`` for ``parts == 1``; otherwise torch's ``_StridedShard(dim,
+    split_factor=parts)``: rank ``r`` holds ``[part_0 slice r; part_1 slice r; ...]``
+    (each slice by ``torch.chunk``'s rule), and ``full_tensor()`` is the fused weight. A
+    Linear's packed output and a Rowwise layer's packed input carry the same placement on
+    their last dim.
+
+    Example::
+
+        >>> packed_shard(0)
+        Shard(dim=0)
+        >>> packed_shard(0, 2)
+        _StridedShard(dim=0, sf=2)
+    """
+    return Shard(dim) if parts == 1 else _StridedShard(dim, split_factor=parts)
+
+
+def parts_of(placement: Placement | None) -> int:
+    """How many packed parts ``placement`` shards one by one: its split factor, else 1."""
+    return placement.split_factor if isinstance(placement, _StridedShard) else 1
+
+
+def sharded_dim(placement: Placement | None) -> int | None:
+    """The tensor dim a ``Shard`` or packed shard splits; ``None`` for other placements."""
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def colwise_placements(module: nn.Module, packed: int = 1) -> dict[str, Placement]:
     """Where ``ColwiseParallel`` puts each parameter of ``module`` (path relative to ``module``).
+
+    With ``packed=k`` the weight and bias stack ``k`` parts along the output features
+    and are sharded part by part (:func:`packed_shard`).
 
     Example::
 
@@ -536,22 +644,29 @@ def colwise_placements(module: nn.Module) -> dict[str, Placement]:
         {'weight': Shard(dim=0), 'bias': Shard(dim=0)}
         >>> colwise_placements(nn.Embedding(10, 4))
         {'weight': Shard(dim=1)}
+        >>> colwise_placements(nn.Linear(4, 8), packed=2)
+        {'weight': _StridedShard(dim=0, sf=2), 'bias': _StridedShard(dim=0, sf=2)}
     """
-    placements = {"weight": Shard(_weight_shard_dim(module, colwise=True))}
+    placements = {"weight": packed_shard(_weight_shard_dim(module, colwise=True), packed)}
     if getattr(module, "bias", None) is not None:
-        placements["bias"] = Shard(0)
+        placements["bias"] = packed_shard(0, packed)
     return placements
 
 
-def rowwise_placements(module: nn.Module) -> dict[str, Placement]:
+def rowwise_placements(module: nn.Module, packed: int = 1) -> dict[str, Placement]:
     """Where ``RowwiseParallel`` puts each parameter of ``module`` (path relative to ``module``).
+
+    With ``packed=k`` the weight stacks ``k`` parts along the input features and is sharded
+    part by part (:func:`packed_shard`); the bias stays replicated.
 
     Example::
 
         >>> rowwise_placements(nn.Linear(4, 8))
         {'weight': Shard(dim=1), 'bias': Replicate()}
+        >>> rowwise_placements(nn.Linear(4, 8), packed=2)
+        {'weight': _StridedShard(dim=1, sf=2), 'bias': Replicate()}
     """
-    placements = {"weight": Shard(_weight_shard_dim(module, colwise=False))}
+    placements = {"weight": packed_shard(_weight_shard_dim(module, colwise=False), packed)}
     if getattr(module, "bias", None) is not None:
         placements["bias"] = Replicate()
     return placements

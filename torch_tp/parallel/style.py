@@ -42,7 +42,6 @@ __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
-    "ReplicateParallel",
     "distribute_parameters",
     "name_plain_tensors_on_error",
 ]
@@ -132,7 +131,8 @@ def distribute_parameters(
     """Turn the parameters named in ``placements`` (paths relative to ``module``) into DTensors.
 
     Values come from ``src_data_rank`` (scattered or broadcast, so the sharded module equals
-    the single-device one) or, with ``None``, from each rank's own tensor.
+    the single-device one) or, with ``None``, from each rank's own tensor. A packed placement
+    (:func:`torch_tp.parallel.rules.packed_shard`) gives each rank its slice of every part.
 
     Example::
 
@@ -143,8 +143,34 @@ def distribute_parameters(
         owner_path, _, name = path.rpartition(".")
         owner = module.get_submodule(owner_path)
         param = getattr(owner, name)
-        dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
+        if rules.parts_of(placement) > 1:
+            dparam = _distribute_packed(param, device_mesh, placement, src_data_rank)
+        else:
+            dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
         owner.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+
+def _distribute_packed(tensor: torch.Tensor, device_mesh: DeviceMesh, placement: Placement, src_data_rank):
+    """Each rank's slice of every part of a packed ``tensor``, as one DTensor with ``placement``.
+
+    Each of the ``parts`` matrices stacked along ``dim`` is scattered with an ordinary
+    ``Shard(dim)`` (uneven slices included); this rank's slices, stacked again, are
+    ``[part_0 slice r; part_1 slice r; ...]``. (torch 2.13's ``distribute_tensor`` with the
+    packed placement asserts on uneven slices; chunks and cats also keep an int8 weight's
+    per-row scales, which a reshape into parts would mix.)
+    """
+    dim, parts = placement.dim, rules.parts_of(placement)
+    slices = [
+        distribute_tensor(part, device_mesh, [Shard(dim)], src_data_rank=src_data_rank).to_local()
+        for part in tensor.detach().chunk(parts, dim)
+    ]
+    return _packed_dtensor(torch.cat(slices, dim), device_mesh, placement, tensor.shape)
+
+
+def _packed_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, placement: Placement, shape) -> DTensor:
+    """Label this rank's packed pieces with the global ``shape`` (``from_local`` would guess it from local sizes)."""
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def _plain_tensors(module: nn.Module) -> list[str]:
@@ -189,17 +215,36 @@ def name_plain_tensors_on_error(module: nn.Module, style: str, module_path: str 
 # ------------------------------------------------------------------- forward hooks
 
 
-def _sharded_input(module, args, *, device_mesh, layout, desired, sharded_dim_size, module_path, style):
-    if args and isinstance(args[0], DTensor) and args[0].placements == (desired,):
+def _sharded_input(module, args, *, device_mesh, layout, desired, sharded_dim_size, module_path, style, packed=1):
+    if args and isinstance(args[0], DTensor) and args[0].placements == (_packed(desired, packed, args[0].ndim),):
         return None  # already in place (e.g. after PrepareModuleInput): leave the args as they are
     x = rules.require_first_input(args, module, module_path, style)
     size = sharded_dim_size if _shards_last_dim(layout, x.ndim) else None
-    x = to_dtensor(x, device_mesh, layout, sharded_dim_size=size)
-    return (redistribute_to(x, desired), *args[1:])
+    layout, desired = _packed(layout, packed, x.ndim), _packed(desired, packed, x.ndim)
+    return (redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed), desired), *args[1:])
+
+
+def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, packed: int) -> DTensor:
+    """``to_dtensor``, plus the global size of a packed last dim, which ``to_dtensor`` cannot rebuild.
+
+    A last-dim size is known only when ``layout`` shards the last dim, which ``packed > 1``
+    made the packed shard. (``packed`` is passed, not read off the placement: ``torch.compile``
+    cannot trace ``_StridedShard.split_factor``.)
+    """
+    if packed > 1 and last_dim_size is not None and not isinstance(x, DTensor):
+        return _packed_dtensor(x, device_mesh, layout, (*x.shape[:-1], last_dim_size))
+    return to_dtensor(x, device_mesh, layout, sharded_dim_size=last_dim_size)
 
 
 def _shards_last_dim(layout: Placement, ndim: int) -> bool:
     return isinstance(layout, Shard) and layout.dim % ndim == ndim - 1
+
+
+def _packed(layout: Placement | None, packed: int, ndim: int) -> Placement | None:
+    """``layout``, where a shard of the last dim means the packed shard of ``packed`` parts."""
+    if packed > 1 and _shards_last_dim(layout, ndim):
+        return rules.packed_shard(ndim - 1, packed)
+    return layout
 
 
 def _sequence_input(module, args, *, device_mesh, layout, module_path):
@@ -207,9 +252,9 @@ def _sequence_input(module, args, *, device_mesh, layout, module_path):
     return (redistribute_to(to_dtensor(x, device_mesh, layout), layout), *args[1:])
 
 
-def _output_to(module, inputs, output, *, layout, use_local_output):
+def _output_to(module, inputs, output, *, layout, use_local_output, packed=1):
     if layout is not None:
-        output = redistribute_to(output, layout)
+        output = redistribute_to(output, _packed(layout, packed, output.ndim))
     return finish_output(output, use_local_output)
 
 
@@ -223,7 +268,8 @@ class _LinearStyle(ParallelStyle):
     output_layouts: Placement | None = None
     use_local_output: bool = True
     overlap: bool = False
-    _additive_defaults: ClassVar[dict[str, Any]] = {"overlap": False}
+    packed: int = 1
+    _additive_defaults: ClassVar[dict[str, Any]] = {"overlap": False, "packed": 1}
     #: (input_layouts, output_layouts) defaults; the layout overlap=True fuses, and what it fuses
     _defaults: ClassVar[tuple[Placement | None, Placement]]
     _overlapped: ClassVar[tuple[str, str]]
@@ -237,6 +283,7 @@ class _LinearStyle(ParallelStyle):
         if self.overlap:
             argument, what = self._overlapped
             rules.overlap_layout(getattr(self, argument), argument, name, what)
+        self.packed = rules.packed_parts(self.packed, name, overlap=self.overlap)
 
 
 class ColwiseParallel(_LinearStyle):
@@ -259,6 +306,12 @@ class ColwiseParallel(_LinearStyle):
             Siblings one plan entry matches under one parent (``"attention.w[kqv]"``), or
             passed together to :func:`torch_tp.functional.colwise`, share one fused gather.
             Default ``False``.
+        packed (int): torch_tp only. The weight stacks this many equal matrices along its
+            output features (Phi-3's ``gate_up_proj`` is ``[gate; up]``: ``packed=2``; a fused
+            ``[q; k; v]`` with as many key/value heads as query heads: ``packed=3``). Each
+            rank holds its slice of every part, so the local output is
+            ``[gate local, up local]`` and a forward that splits it with ``chunk(k, dim=-1)``
+            works unchanged. Linear only; not with ``overlap``. Default ``1``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -269,22 +322,26 @@ class ColwiseParallel(_LinearStyle):
         >>> parallelize_module(model, mesh, {"layers.*.feed_forward.w[13]": ColwiseParallel()})
         >>> parallelize_module(model, mesh, {"layers.*.feed_forward.w[13]":
         ...     ColwiseParallel(input_layouts=Shard(1), overlap=True)})
+        >>> parallelize_module(model, mesh, {"layers.*.mlp.gate_up_proj": ColwiseParallel(packed=2)})
 
     .. note:: The output is sharded on its last dim, so code between this layer and its
-        paired :class:`RowwiseParallel` sees local feature counts (e.g. local heads).
+        paired :class:`RowwiseParallel` sees local feature counts (e.g. local heads). With
+        ``packed=k`` that shard is the packed one (each part's slice, in part order), and
+        ``output_layouts=Shard(-1)`` (the default) means it; any other layout is gathered
+        or moved from it exactly.
     """
 
     _defaults = (Replicate(), Shard(-1))
     _overlapped = ("input_layouts", "all-gather")
 
     def param_placements(self, module):
-        return rules.colwise_placements(module)
+        return rules.colwise_placements(module, self.packed)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap)
+        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, rules.colwise_placements(module), device_mesh, src_data_rank)
+        distribute_parameters(module, rules.colwise_placements(module, self.packed), device_mesh, src_data_rank)
         if self.overlap:
             _overlap.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
         else:
@@ -292,9 +349,9 @@ class ColwiseParallel(_LinearStyle):
                 _sharded_input, device_mesh=device_mesh, layout=self.input_layouts, desired=Replicate(),
                 sharded_dim_size=None, module_path=module_path, style="ColwiseParallel",
             ))
-        module.register_forward_hook(
-            partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
-        )
+        module.register_forward_hook(partial(
+            _output_to, layout=self.output_layouts, use_local_output=self.use_local_output, packed=self.packed
+        ))
         rules.mark_prepared(module, rules.BOTH_STAGES, "ColwiseParallel")
         return module
 
@@ -322,6 +379,11 @@ class RowwiseParallel(_LinearStyle):
         overlap (bool): torch_tp only. For an ``nn.Linear`` whose output is sequence-sharded
             (``output_layouts=Shard(1)``): fuse the reduce-scatter into the matmul
             (:func:`torch_tp.overlap.matmul_reduce_scatter`). Default ``False``.
+        packed (int): torch_tp only. The weight stacks this many equal matrices along its
+            input features, and its input is the matching packed activation: each rank's
+            local input is ``[part_0 local, ..., part_k local]`` on the last dim, as a
+            ``ColwiseParallel(packed=k)`` layer hands it on. The bias stays replicated.
+            Linear only; not with ``overlap``. Default ``1``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -343,19 +405,19 @@ class RowwiseParallel(_LinearStyle):
     _overlapped = ("output_layouts", "reduce-scatter")
 
     def param_placements(self, module):
-        return rules.rowwise_placements(module)
+        return rules.rowwise_placements(module, self.packed)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap)
+        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         is_embedding = isinstance(module, nn.Embedding)
         desired = Replicate() if is_embedding else Shard(-1)
-        distribute_parameters(module, rules.rowwise_placements(module), device_mesh, src_data_rank)
+        distribute_parameters(module, rules.rowwise_placements(module, self.packed), device_mesh, src_data_rank)
         module.register_forward_pre_hook(partial(
             _sharded_input, device_mesh=device_mesh, layout=self.input_layouts or desired, desired=desired,
             sharded_dim_size=None if is_embedding else module.in_features, module_path=module_path,
-            style="RowwiseParallel",
+            style="RowwiseParallel", packed=self.packed,
         ))
         if self.overlap:
             _overlap.install_rowwise(module, device_mesh, layout=self.output_layouts, module_path=module_path)
@@ -417,174 +479,3 @@ class SequenceParallel(ParallelStyle):
         name_plain_tensors_on_error(module, "SequenceParallel", module_path)
         rules.mark_prepared(module, rules.BOTH_STAGES, "SequenceParallel")
         return module
-
-
-# ------------------------------------------------------------------- replicate
-
-
-def _replicated_input(value, layout, desired, device_mesh):
-    if layout is None or not isinstance(value, torch.Tensor):
-        return value
-    x = to_dtensor(value, device_mesh, layout)
-    return redistribute_to(x, desired) if desired is not None else x
-
-
-def _replicated_inputs(module, args, kwargs, *, style, device_mesh, module_path):
-    layouts, desired = style.input_layouts, style.desired_input_layouts
-    if isinstance(layouts, Placement):  # one layout for every tensor input, keywords included
-        args = tuple(_replicated_input(a, layouts, desired, device_mesh) for a in args)
-        kwargs = {k: _replicated_input(v, layouts, desired, device_mesh) for k, v in kwargs.items()}
-        return args, kwargs
-    if len(args) < len(layouts):
-        raise ValueError(
-            f"ReplicateParallel on {rules.describe(module, module_path)} has {len(layouts)} input "
-            f"layouts {layouts} but the module got {len(args)} positional values"
-        )
-    wanted = desired or (None,) * len(layouts)
-    converted = tuple(_replicated_input(a, lay, des, device_mesh) for a, lay, des in zip(args, layouts, wanted))
-    return converted + tuple(args[len(layouts):]), kwargs
-
-
-def _twin_value(value, kept: tuple[Placement, ...]):
-    """What a replicated module hands on: what its single-process twin would, never a bare partial.
-
-    A ``Partial`` output is reduced (its local piece is not a value of the twin); an output
-    sharded like a declared input stays local (per-head norms hand on their local heads);
-    any other sharded output is handed on as the DTensor it is, not as a strip.
-    """
-    if not isinstance(value, DTensor):
-        return value
-    placement = value.placements[0]
-    if placement.is_partial():
-        return value.redistribute(placements=(Replicate(),)).to_local()
-    if placement.is_replicate() or any(_same_layout(placement, k, value.ndim) for k in kept):
-        return value.to_local()
-    return value
-
-
-def _same_layout(a: Placement, b: Placement | None, ndim: int) -> bool:
-    if isinstance(a, Shard) and isinstance(b, Shard):
-        return a.dim % ndim == b.dim % ndim
-    return a == b
-
-
-def _twin_outputs(module, inputs, output, *, kept):
-    if isinstance(output, (tuple, list)):
-        return type(output)(_twin_value(o, kept) for o in output)
-    return _twin_value(output, kept)
-
-
-class ReplicateParallel(ParallelStyle):
-    """Run a module with replicated parameters on (possibly sharded) inputs, gradients reduced.
-
-    The module's parameters become ``Replicate()`` DTensors (broadcast from
-    ``src_data_rank``). Its plain-tensor inputs are read as DTensors in ``input_layouts``,
-    so DTensor computes each rank's part and sums the parameters' gradients over the ranks:
-    the gradient a single process would get. This is the style for a module that runs
-    between a Colwise and a Rowwise layer on local features, such as Qwen3's per-head
-    ``q_norm``/``k_norm`` (``input_layouts=Shard(2)``: the local heads of a
-    ``(batch, seq, heads, head_dim)`` tensor); left out of the plan, each rank's norm weight
-    would only see its own heads' gradient and the ranks would drift apart. Hugging Face
-    calls this ``replicated_with_grad_allreduce``. Function form:
-    :func:`torch_tp.functional.replicate_parallel`.
-
-    Keyword Args:
-        input_layouts (Placement or tuple of Placement/None): layout of the plain-tensor
-            inputs: one Placement for every tensor input (positional and keyword), or one
-            entry per positional input (``None`` leaves it alone). Default ``Replicate()``.
-        desired_input_layouts (Placement or tuple, optional): redistribute the inputs to
-            these layouts first. Default ``None``: compute on the inputs as they are.
-        use_local_output (bool): hand back local tensors: an output sharded like an input
-            stays local (the local heads), a partial sum is reduced first, and any other
-            sharded output stays a DTensor rather than becoming a bare strip. Default ``True``.
-
-    Returns:
-        A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
-
-    Example::
-
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> parallelize_module(model, mesh, {"layers.*.self_attn.[qk]_norm":
-        ...     ReplicateParallel(input_layouts=Shard(2))})
-    """
-
-    input_layouts: Placement | tuple[Placement | None, ...] | None = None
-    desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None
-    use_local_output: bool = True
-
-    def __post_init__(self):
-        name = "ReplicateParallel"
-        if self.input_layouts is None or isinstance(self.input_layouts, Placement):
-            self.input_layouts = rules.single_layout(self.input_layouts, "input_layouts", name, Replicate())
-            self.desired_input_layouts = rules.single_layout(
-                self.desired_input_layouts, "desired_input_layouts", name, None
-            )
-        else:
-            self.input_layouts = rules.layout_tuple(self.input_layouts, "input_layouts")
-            if self.desired_input_layouts is not None:
-                self.input_layouts, self.desired_input_layouts = rules.paired_layouts(
-                    self.input_layouts, self.desired_input_layouts, ("input_layouts", "desired_input_layouts")
-                )
-        self.use_local_output = rules.flag(self.use_local_output, "use_local_output", name)
-
-    def param_placements(self, module):
-        return rules.replicated_placements(module)
-
-    def check(self, module, device_mesh, module_path=None):
-        rules.check_replicate_parallel(module, device_mesh, module_path)
-
-    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, rules.replicated_placements(module), device_mesh, src_data_rank)
-        _install_replicated_hooks(module, self, device_mesh, module_path)
-        name_plain_tensors_on_error(module, "ReplicateParallel", module_path)
-        rules.mark_prepared(module, rules.BOTH_STAGES, "ReplicateParallel")
-        return module
-
-    def kept_layouts(self) -> tuple[Placement, ...]:
-        """The layouts an output may keep when handed back locally: the inputs' layouts."""
-        layouts = self.desired_input_layouts or self.input_layouts
-        return (layouts,) if isinstance(layouts, Placement) else tuple(p for p in layouts if p is not None)
-
-
-def _install_replicated_hooks(module, style: ReplicateParallel, device_mesh, module_path) -> None:
-    module.register_forward_pre_hook(
-        partial(_replicated_inputs, style=style, device_mesh=device_mesh, module_path=module_path), with_kwargs=True
-    )
-    if style.use_local_output:
-        module.register_forward_hook(partial(_twin_outputs, kept=style.kept_layouts()))
-
-
-def replicate(
-    module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0, module_path: str | None = None
-) -> nn.Module:
-    """Replicate ``module``'s own parameters as DTensors and run it on replicated inputs.
-
-    This is what ``parallelize_module(..., replicate_unplanned_params=True)`` does to each
-    module the plan leaves out, so every parameter of the model is a DTensor and
-    ``clip_grad_norm_`` / optimizers see one kind of tensor. It is
-    :class:`ReplicateParallel` with ``input_layouts=Replicate()`` restricted to the module's
-    own parameters (children are left to their own styles): plain-tensor inputs are taken
-    to be identical on every rank, DTensor inputs pass through, and outputs are what the
-    module's single-process twin returns (a partial sum is reduced; a sharded DTensor output
-    stays a DTensor, never a bare strip). If another style already converts this module's
-    inputs/outputs, only the parameters are replicated.
-
-    Example::
-
-        >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> replicate(model.norm, mesh)
-        >>> model.norm.weight.placements
-        (Replicate(),)
-    """
-    rules.require_1d_mesh(device_mesh, "replicate")
-    placements = {
-        name: Replicate()
-        for name, param in module.named_parameters(recurse=False)
-        if not isinstance(param, DTensor)
-    }
-    distribute_parameters(module, placements, device_mesh, src_data_rank)
-    if rules.is_prepared(module):
-        return module  # its inputs/outputs are already converted by its style
-    _install_replicated_hooks(module, ReplicateParallel(), device_mesh, module_path)
-    rules.mark_prepared(module, rules.BOTH_STAGES, "replicate")
-    return module
