@@ -10,6 +10,7 @@ Example::
 from torch_tp.parallel.api import parallelize_module
 from torch_tp.parallel.explain import ParamRow, PlanReport, explain_plan
 from torch_tp.parallel.init import init_parameters, module_seed
+from torch_tp.parallel.parameter import ShardParameter
 from torch_tp.parallel.plan import PlanEntry, match_pattern, resolve_plan
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from torch_tp.parallel.rules import UnsupportedModuleError
@@ -31,6 +32,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "ReplicateParallel",
+    "ShardParameter",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",

@@ -64,6 +64,9 @@ _GLOB_CHARS = frozenset("*?[")
 class PlanEntry:
     """One module the plan parallelizes: its path, the pattern that matched it, the style.
 
+    A key naming a parameter gives the entry of the module that owns it, with the parameter
+    style bound to that parameter (``ShardParameter(dim=2) on 'down_proj'``).
+
     Example::
 
         >>> from torch_tp import ColwiseParallel
@@ -109,8 +112,9 @@ def _unmatched_message(pattern: str, root: nn.Module, paths: list[str], params: 
     if named:
         owner = named[0].rpartition(".")[0]
         return (
-            f"plan key {pattern!r} names a parameter ({named[0]!r}), not a module; plan keys name "
-            f"modules: give the module that owns it ({owner!r}, or a pattern for it) a style"
+            f"plan key {pattern!r} names a parameter ({named[0]!r}), not a module; give it a "
+            f"parameter style (ShardParameter(dim=...)), or give the module that owns it "
+            f"({owner!r}, or a pattern for it) a module style"
         )
     return (
         f"plan key {pattern!r} matched no submodule of {type(root).__name__}; closest module "
@@ -166,20 +170,39 @@ def resolve_plan(root: nn.Module, plan: UpstreamParallelStyle | dict) -> list[Pl
             f"got {type(plan).__name__}"
         )
     paths = [name for name, _ in root.named_modules()]
+    params = [name for name, _ in root.named_parameters()]
     chosen: dict[str, PlanEntry] = {}
     for pattern, style in plan.items():
         _check_style(pattern, style)
-    unmatched = [pattern for pattern in plan if not match_pattern(pattern, paths)]
+    unmatched = [pattern for pattern, style in plan.items() if not _targets(pattern, style, paths, params)]
     if unmatched:
         raise _unmatched_error(unmatched, root, paths)
     for pattern, style in plan.items():
-        for path in match_pattern(pattern, paths):
-            first = chosen.get(path)
+        for target in _targets(pattern, style, paths, params):
+            entry = _entry(target, pattern, style)
+            first = chosen.get(target)
             if first is None:
-                chosen[path] = PlanEntry(path, pattern, style)
-            elif first.style != style:
-                raise _conflict_error(path, first, pattern, style)
+                chosen[target] = entry
+            elif first.style != entry.style:
+                raise _conflict_error(target, first, pattern, entry.style)
     return list(chosen.values())
+
+
+def _names_parameters(style: object) -> bool:
+    """A parameter style (``ShardParameter``): its keys name parameters, not modules."""
+    return getattr(style, "targets_parameters", False)
+
+
+def _targets(pattern: str, style: object, paths: list[str], params: list[str]) -> list[str]:
+    return match_pattern(pattern, params if _names_parameters(style) else paths)
+
+
+def _entry(target: str, pattern: str, style) -> PlanEntry:
+    """A module entry, or for a parameter style the owning module's entry with the bound style."""
+    if not _names_parameters(style):
+        return PlanEntry(target, pattern, style)
+    owner, _, name = target.rpartition(".")
+    return PlanEntry(owner, pattern, style.on(name))
 
 
 # ---------------------------------------------------------------------- plan-wide rules
@@ -205,11 +228,22 @@ def planned_placements(root: nn.Module, entries: list[PlanEntry], styles: list, 
     """
     rest = Replicate() if replicate_unplanned else None
     placements: dict[str, Placement | None] = {name: rest for name, _ in _owned_parameters(root)}
+    placed_by: dict[str, PlanEntry] = {}
     for entry, style in zip(entries, styles):
         module = root.get_submodule(entry.path)
         for name, placement in style.param_placements(module).items():
-            placements[_join(entry.path, name)] = placement
+            path = _join(entry.path, name)
+            if path in placed_by:
+                raise _placed_twice_error(path, placed_by[path], entry)
+            placed_by[path], placements[path] = entry, placement
     return placements
+
+
+def _placed_twice_error(path: str, first: PlanEntry, second: PlanEntry) -> ValueError:
+    return ValueError(
+        f"parameter {path!r} is placed by two plan entries: {first.style!r} (key {first.pattern!r}) "
+        f"and {second.style!r} (key {second.pattern!r}); give it one style"
+    )
 
 
 def _owned_parameters(root: nn.Module):
