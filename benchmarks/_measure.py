@@ -253,3 +253,23 @@ def time_interleaved(
     finally:
         gc.enable()
     return times
+
+
+COLLECTIVE_ABBREVIATIONS = {
+    "all_reduce": "AR",
+    "all_gather_into_tensor": "AG",
+    "reduce_scatter_tensor": "RS",
+}
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """``{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}`` -> ``"2AG+2RS"``."""
+    parts = [f"{n}{COLLECTIVE_ABBREVIATIONS.get(name, name)}" for name, n in sorted(counts.items()) if n]
+    return "+".join(parts) or "0"
+
+
+def median_ms(row: dict, metric: str = "wall_s") -> float:
+    """Median of ``row[metric]`` (``"wall_s"`` or ``"cpu_s"``) in milliseconds."""
+    import statistics
+
+    return statistics.median(row[metric]) * 1e3

@@ -85,7 +85,7 @@ from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_para
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
 from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
-from _measure import local_parameter_bytes, measure_collectives, measure_hook_cpu, time_interleaved
+from _measure import format_counts, local_parameter_bytes, measure_collectives, measure_hook_cpu, median_ms, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
 
@@ -324,25 +324,9 @@ def rank_main(config: Config) -> None:
 
 # ------------------------------------------------------------------------------ report
 
-COLLECTIVE_ABBREVIATIONS = {
-    "all_reduce": "AR",
-    "all_gather_into_tensor": "AG",
-    "reduce_scatter_tensor": "RS",
-}
 
 COLUMNS = ("world", "size", "variant", "mode", "fwd comms", "fwd KiB", "f+b comms", "f+b KiB",
            "param KiB", "step ms", "p25-p75", "CPU ms", "hook µs")
-
-
-def format_counts(counts: dict[str, int]) -> str:
-    """``{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}`` -> ``"2AG+2RS"``."""
-    parts = [f"{n}{COLLECTIVE_ABBREVIATIONS.get(name, name)}" for name, n in sorted(counts.items()) if n]
-    return "+".join(parts) or "0"
-
-
-def median_ms(row: dict, metric: str = "wall_s") -> float:
-    """Median of ``row[metric]`` (``"wall_s"`` or ``"cpu_s"``) in milliseconds."""
-    return statistics.median(row[metric]) * 1e3
 
 
 def table_cells(row: dict) -> tuple[str, ...]:

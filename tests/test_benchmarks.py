@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from torch_tp.testing import markdown_tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
@@ -24,19 +25,6 @@ VARIANTS = {
 }
 
 
-def _tables(text: str) -> list[list[dict[str, str]]]:
-    """Every Markdown table in ``text``, as a list of {column: cell} rows."""
-    tables, block = [], []
-    for line in [*text.splitlines(), ""]:
-        if line.startswith("|"):
-            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-        elif block:
-            header, _separator, *rows = block
-            tables.append([dict(zip(header, row)) | {"__header__": header} for row in rows])
-            block = []
-    return tables
-
-
 def _run_quick() -> str:
     done = subprocess.run(
         [sys.executable, "benchmarks/compare_upstream.py", "--quick"],
@@ -48,7 +36,7 @@ def _run_quick() -> str:
 
 def test_quick_benchmark_prints_the_table_and_same_plans_issue_the_same_collectives():
     out = _run_quick()
-    main, ratios = _tables(out)[:2]
+    main, ratios = markdown_tables(out)[:2]
 
     assert main[0]["__header__"] == COLUMNS, out
     got = {(int(r["world"]), r["size"], r["variant"], r["mode"]) for r in main}

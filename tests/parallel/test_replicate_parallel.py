@@ -130,3 +130,27 @@ def test_replicate_parallel_normalizes_and_validates_its_arguments():
         ReplicateParallel(use_local_output="no")
     with pytest.raises(ValueError, match="same length"):
         ReplicateParallel(input_layouts=(Shard(2), None), desired_input_layouts=(Replicate(),))
+
+
+def _gradients_reduced_once_in_backward():
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.manual_seed(0)
+    reference = Transformer(QWEN_ARGS)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), tensor_parallel_plan(qk_norm=True))
+    for _ in range(2):  # gradient accumulation: two backward passes before the step
+        tokens = torch.randint(0, QWEN_ARGS.vocab_size, (2, 8))
+        model(tokens).pow(2).mean().backward()
+        reference(tokens).pow(2).mean().backward()
+    grad = model.layers[0].attention.q_norm.weight.grad
+    assert grad.placements == (Replicate(),)  # reduced in the backward, not left Partial
+    assert_params_and_grads_match(model, reference, **TOL)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CommDebugMode() as mode:
+        optimizer.step()
+    assert mode.get_total_counts() == 0, mode.get_comm_counts()
+
+
+@world_sizes(2, 4)
+def test_per_head_norm_gradients_are_reduced_once_so_the_optimizer_step_communicates_nothing(world_size):
+    run_on_ranks(_gradients_reduced_once_in_backward, world_size)

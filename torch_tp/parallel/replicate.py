@@ -145,6 +145,7 @@ class ReplicateParallel(ParallelStyle):
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         distribute_parameters(module, rules.replicated_placements(module), device_mesh, src_data_rank)
+        _reduce_gradients_in_backward(module.parameters())
         _install_replicated_hooks(module, self, device_mesh, module_path)
         name_plain_tensors_on_error(module, "ReplicateParallel", module_path)
         rules.mark_prepared(module, rules.BOTH_STAGES, "ReplicateParallel")
@@ -154,6 +155,24 @@ class ReplicateParallel(ParallelStyle):
         """The layouts an output may keep when handed back locally: the inputs' layouts."""
         layouts = self.desired_input_layouts or self.input_layouts
         return (layouts,) if isinstance(layouts, Placement) else tuple(p for p in layouts if p is not None)
+
+
+def _reduced_gradient(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def _reduce_gradients_in_backward(params) -> None:
+    """Reduce each parameter's partial-sum gradient once, when backward has accumulated it.
+
+    Fed sharded activations, a replicated parameter's gradient comes back as a ``Partial``
+    DTensor; left so, every optimizer op on it would all-reduce it again (3 times per AdamW
+    step). One all-reduce per parameter in the backward instead, as transformers'
+    ``replicated_with_grad_allreduce`` does, but on the gradient of this backward only.
+    """
+    for param in params:
+        param.register_post_accumulate_grad_hook(_reduced_gradient)
 
 
 def _install_replicated_hooks(module, style: ReplicateParallel, device_mesh, module_path) -> None:
@@ -193,6 +212,7 @@ def replicate(
         if not isinstance(param, DTensor)
     }
     distribute_parameters(module, placements, device_mesh, src_data_rank)
+    _reduce_gradients_in_backward(module.parameters(recurse=False))
     if rules.is_prepared(module):
         return module  # its inputs/outputs are already converted by its style
     _install_replicated_hooks(module, ReplicateParallel(), device_mesh, module_path)

@@ -106,3 +106,25 @@ def quantize_weights(model: nn.Module, *, embeddings: bool = True) -> nn.Module:
     kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
     quantize_(model, Int8SymmetricWeightConfig(), filter_fn=lambda module, fqn: isinstance(module, kinds))
     return model
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table in ``text`` (a benchmark's report), as a list of ``{column: cell}`` rows.
+
+    Each row also maps ``"__header__"`` to the table's column names, in order.
+
+    Example::
+
+        >>> rows = markdown_tables("| a | b |\\n|---|---|\\n| 1 | 2 |\\n")[0]
+        >>> rows[0]["a"], rows[0]["__header__"]
+        ('1', ['a', 'b'])
+    """
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            header, _separator, *rows = block
+            tables.append([dict(zip(header, row)) | {"__header__": header} for row in rows])
+            block = []
+    return tables
