@@ -15,7 +15,9 @@ from torch_tp.testing import assert_training_step_matches, run_on_ranks, tp_mesh
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen3_moe"]
+# MoE experts stay whole (replicated) until torch_tp's MoE styles land: attention-only
+OPTIONS = {"mixtral": dict(experts=None), "qwen3_moe": dict(experts=None)}
 VOCAB = 128
 # float32. AdamW normalizes each update by the gradient's running scale, so for a gradient
 # element near zero a 1e-8 difference moves the parameter by up to lr: the optimizer's eps is
@@ -26,16 +28,21 @@ ADAMW = dict(lr=1e-3, eps=1e-5)
 
 def _config_and_class(family):
     classes = {
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-        "gemma": ("GemmaConfig", "GemmaForCausalLM"),  # tied embeddings
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # per-head q_norm / k_norm
+        "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),  # tied embeddings
+        # fused qkv_proj / gate_up_proj, gathered by its shipped plan (colwise_gather_output)
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     }
-    config_name, model_name = classes[family]
+    config_name, model_name, extra = classes[family]
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, attention_dropout=0.0, **extra,
     )
     config._attn_implementation = "sdpa"
     return config, getattr(transformers, model_name)
@@ -66,7 +73,8 @@ def _trains_like_one_process(family, sequence_parallel):
     from torch_tp.integrations.transformers import parallelize
 
     reference = _build(family)
-    model = parallelize(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sequence_parallel)
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sequence_parallel,
+                        **OPTIONS.get(family, {}))
     if family == "gemma":
         assert model.lm_head.weight is model.model.embed_tokens.weight
     norm = model.model.layers[0].input_layernorm.weight
@@ -100,7 +108,7 @@ def _greedy_generation(family):
     from torch_tp.integrations.transformers import parallelize
 
     reference = _build(family).eval()
-    model = parallelize(copy.deepcopy(reference), tp_mesh())
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), **OPTIONS.get(family, {}))
     prompt = torch.randint(0, VOCAB, (1, 5))
     kwargs = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     ours, theirs = model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs)
@@ -108,7 +116,7 @@ def _greedy_generation(family):
     return ours.tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_with_a_kv_cache_gives_the_single_process_tokens(family):
     tokens = run_on_ranks(_greedy_generation, 2, family)
     assert tokens[0] == tokens[1] and len(tokens[0][0]) == 5 + 8
@@ -119,13 +127,14 @@ def _verified(family):
 
     reference = _build(family)
     report = verify_plan(
-        lambda: _build(family), tp_mesh(), tp_plan(reference), lambda step: (torch.randint(0, VOCAB, (2, 8)),),
+        lambda: _build(family), tp_mesh(), tp_plan(reference, **OPTIONS.get(family, {})),
+        lambda step: (torch.randint(0, VOCAB, (2, 8)),),
         loss_fn=lambda out: out.logits.float().pow(2).mean(), raise_on_mismatch=False,
     )
     return report.ok, str(report)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_verify_plan_passes_on_the_translated_plan(family):
     ok, text = run_on_ranks(_verified, 2, family)[0]
     assert ok, text
@@ -138,10 +147,11 @@ def test_explain_plan_works_on_a_meta_model(family):
     config, model_class = _config_and_class(family)
     with torch.device("meta"):
         model = model_class(config)
-    report = explain_plan(model, 4, tp_plan(model, sequence_parallel=True))
+    report = explain_plan(model, 4, tp_plan(model, sequence_parallel=True, **OPTIONS.get(family, {})))
     assert not report.problems()
     rows = {row.path: row for row in report}
-    assert rows["model.layers.0.self_attn.q_proj.weight"].local_shapes[0] == (16, 64)
+    projection = "qkv_proj" if family == "phi3" else "q_proj"
+    assert rows[f"model.layers.0.self_attn.{projection}.weight"].local_shapes[0][1] == 64
 
 
 def test_plan_translation_drops_unbuilt_modules_and_refuses_unknown_strings():

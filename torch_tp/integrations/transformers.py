@@ -31,6 +31,7 @@ from torch_tp.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
@@ -59,7 +60,9 @@ STYLES: dict[str, Callable[[bool, bool], ParallelStyle]] = {
     "colwise_rep": lambda sp, vp: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda sp, vp: RowwiseParallel(),
     "colwise_gather_output": _lm_head,
-    "rowwise_split_input": lambda sp, vp: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda sp, vp: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=_SEQ if sp else Replicate(), use_local_output=not sp
+    ),
     "embedding_rowwise": lambda sp, vp: RowwiseParallel(
         input_layouts=Replicate(), output_layouts=_SEQ if sp else Replicate(), use_local_output=not sp
     ),
@@ -189,17 +192,29 @@ def tp_plan(
     """
     paths = [path for path, _ in model.named_modules()]
     plan: dict[str, ParallelStyle] = {}
+    unsharded: list[str] = []  # MoE blocks left whole (experts=None)
     for key, value in _model_plan(model).items():
         if experts is None and (value in _NOT_YET or ".experts" in key):
+            unsharded.append(key.rpartition(".experts")[0] if ".experts" in key else key)
             continue
         if not match_pattern(key, paths):
             continue  # a module this config does not build
         plan[key] = _translated(key, value, sequence_parallel, vocab_parallel_loss)
     plan.update(_input_preparation(model, plan, sequence_parallel))
     if sequence_parallel:
+        plan.update({key: _whole_on_the_full_sequence() for key in dict.fromkeys(unsharded) if match_pattern(key, paths)})
         prefix = _base_prefix(model)
         plan.update({f"{prefix}{norm}": SequenceParallel() for norm in _NORMS if match_pattern(f"{prefix}{norm}", paths)})
     return plan
+
+
+def _whole_on_the_full_sequence() -> ParallelStyle:
+    """A module left unsharded (an MoE block with ``experts=None``) under sequence parallelism:
+    it runs on the gathered sequence with its replicated weights, and hands back sequence shards."""
+    return PrepareModuleInputOutput(
+        input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(_SEQ,), use_local_output=False,
+    )
 
 
 def _declare_heads(model: nn.Module) -> None:
