@@ -218,3 +218,13 @@ def _vocab_parallel_loss(family, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 def test_vocab_parallel_loss_on_sharded_logits_matches_the_single_process_loss(sequence_parallel):
     run_on_ranks(_vocab_parallel_loss, 2, "gemma", sequence_parallel)
+
+
+def test_vocab_parallel_loss_shards_only_the_output_heads_logits():
+    from torch_tp.integrations.transformers import tp_plan
+
+    plan = tp_plan(_build("phi3"), vocab_parallel_loss=True)
+    assert plan["lm_head"].use_local_output is False  # logits stay vocab-sharded
+    # Phi-3's fused projections use the same string (colwise_gather_output) but stay gathered
+    assert plan["model.layers.*.self_attn.qkv_proj"].output_layouts == Replicate()
+    assert plan["model.layers.*.self_attn.qkv_proj"].use_local_output is True

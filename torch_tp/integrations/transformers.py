@@ -52,20 +52,24 @@ def _lm_head(sequence_parallel: bool, vocab_parallel_loss: bool) -> ParallelStyl
     return ColwiseParallel(input_layouts=input_layouts, output_layouts=Replicate())
 
 
+def _rowwise(sequence_parallel: bool, input_layouts=None) -> ParallelStyle:
+    """A Rowwise layer: replicated output, or under sequence parallelism sequence shards kept a DTensor."""
+    if sequence_parallel:
+        return RowwiseParallel(input_layouts=input_layouts, output_layouts=_SEQ, use_local_output=False)
+    return RowwiseParallel(input_layouts=input_layouts)
+
+
 #: transformers' TP vocabulary -> ``style(sequence_parallel, vocab_parallel_loss)``. Inputs of
-#: sharded layers come from a ``PrepareModuleInput`` on their parent (see :func:`tp_plan`).
+#: sharded layers come from a ``PrepareModuleInput`` on their parent (see :func:`tp_plan`);
+#: ``vocab_parallel_loss`` is passed true only for the output head.
 STYLES: dict[str, Callable[[bool, bool], ParallelStyle]] = {
     "colwise": lambda sp, vp: ColwiseParallel(),
-    "rowwise": lambda sp, vp: RowwiseParallel(output_layouts=_SEQ, use_local_output=False) if sp else RowwiseParallel(),
+    "rowwise": lambda sp, vp: _rowwise(sp),
     "colwise_rep": lambda sp, vp: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda sp, vp: RowwiseParallel(),
-    "colwise_gather_output": _lm_head,
-    "rowwise_split_input": lambda sp, vp: RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=_SEQ if sp else Replicate(), use_local_output=not sp
-    ),
-    "embedding_rowwise": lambda sp, vp: RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=_SEQ if sp else Replicate(), use_local_output=not sp
-    ),
+    "colwise_gather_output": _lm_head,  # lm_head, and Phi-3's fused qkv_proj / gate_up_proj
+    "rowwise_split_input": lambda sp, vp: _rowwise(sp, input_layouts=Replicate()),
+    "embedding_rowwise": lambda sp, vp: _rowwise(sp, input_layouts=Replicate()),
     "embedding_colwise": lambda sp, vp: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     "sequence_parallel": lambda sp, vp: SequenceParallel(),
     # per-head q_norm/k_norm on (batch, seq, local heads, head_dim): gradients summed over ranks
@@ -191,6 +195,7 @@ def tp_plan(
         ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), use_local_output=True)
     """
     paths = [path for path, _ in model.named_modules()]
+    head = _output_head_path(model)
     plan: dict[str, ParallelStyle] = {}
     unsharded: list[str] = []  # MoE blocks left whole (experts=None)
     for key, value in _model_plan(model).items():
@@ -199,13 +204,21 @@ def tp_plan(
             continue
         if not match_pattern(key, paths):
             continue  # a module this config does not build
-        plan[key] = _translated(key, value, sequence_parallel, vocab_parallel_loss)
+        sharded_logits = vocab_parallel_loss and head in match_pattern(key, paths)
+        plan[key] = _translated(key, value, sequence_parallel, sharded_logits)
     plan.update(_input_preparation(model, plan, sequence_parallel))
     if sequence_parallel:
         plan.update({key: _whole_on_the_full_sequence() for key in dict.fromkeys(unsharded) if match_pattern(key, paths)})
         prefix = _base_prefix(model)
         plan.update({f"{prefix}{norm}": SequenceParallel() for norm in _NORMS if match_pattern(f"{prefix}{norm}", paths)})
     return plan
+
+
+def _output_head_path(model: nn.Module) -> str | None:
+    """The path of the module that computes the logits (``lm_head``), if the model has one."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return next((path for path, module in model.named_modules() if module is head), None)
 
 
 def _whole_on_the_full_sequence() -> ParallelStyle:
