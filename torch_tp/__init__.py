@@ -12,6 +12,8 @@ Importing torch_tp does not import torchao and changes no global PyTorch state.
 from torch_tp.conv import SpatialParallel
 from torch_tp.parallel import (
     ColwiseParallel,
+    ExpertParallel,
+    ExpertTensorParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -53,6 +55,8 @@ __all__ = [
     "SequenceParallel",
     "ReplicateParallel",
     "ShardParameter",
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "SpatialParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",

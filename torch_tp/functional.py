@@ -25,6 +25,7 @@ import inspect
 import torch.nn as nn
 
 from torch_tp.conv.spatial import SpatialParallel
+from torch_tp.parallel.experts import ExpertParallel, ExpertTensorParallel
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from torch_tp.parallel.replicate import ReplicateParallel, replicate
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
@@ -34,6 +35,8 @@ __all__ = [
     "rowwise",
     "sequence_parallel",
     "replicate_parallel",
+    "expert_parallel",
+    "expert_tensor_parallel",
     "spatial",
     "prepare_input",
     "prepare_output",
@@ -127,6 +130,28 @@ replicate_parallel = _function_form("replicate_parallel", ReplicateParallel, """
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> replicate_parallel(attention.q_norm, mesh, input_layouts=Shard(2))   # local heads
+    """)
+
+expert_parallel = _function_form("expert_parallel", ExpertParallel, """Spread a grouped-experts
+    module's experts over the ranks and dispatch each token to its experts by all-to-all:
+    :class:`~torch_tp.ExpertParallel` as a function.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> expert_parallel(model.layers[0].mlp.experts, mesh)
+        >>> model.layers[0].mlp.experts.gate_up_proj.placements
+        (Shard(dim=0),)
+    """)
+
+expert_tensor_parallel = _function_form("expert_tensor_parallel", ExpertTensorParallel, """Split every
+    expert of a grouped-experts module on its hidden dim, one reduction per call:
+    :class:`~torch_tp.ExpertTensorParallel` as a function.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> expert_tensor_parallel(model.layers[0].mlp.experts, mesh)
     """)
 
 spatial = _function_form("spatial", SpatialParallel, """Run a convolution (or a position-wise module

@@ -8,6 +8,7 @@ Example::
 """
 
 from torch_tp.parallel.api import parallelize_module
+from torch_tp.parallel.experts import ExpertParallel, ExpertTensorParallel, Routing, routing_summary
 from torch_tp.parallel.explain import ParamRow, PlanReport, explain_plan
 from torch_tp.parallel.init import init_parameters, module_seed
 from torch_tp.parallel.parameter import ShardParameter
@@ -33,6 +34,10 @@ __all__ = [
     "SequenceParallel",
     "ReplicateParallel",
     "ShardParameter",
+    "ExpertParallel",
+    "ExpertTensorParallel",
+    "Routing",
+    "routing_summary",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",

@@ -9,6 +9,7 @@ for one machine before allocating anything — and the mesh may be a plain rank 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ from torch_tp.parallel.plan import resolve_plan
 from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]
+
+#: The styles whose rows are mixture-of-experts weights
+EXPERT_STYLES = ("ExpertParallel", "ExpertTensorParallel")
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,23 @@ class PlanReport:
     def __getitem__(self, index):
         return self.rows[index]
 
-    def bytes_per_rank(self) -> tuple[int, ...]:
-        """Parameter bytes each rank holds once the plan is applied."""
-        return tuple(sum(row.bytes_per_rank[r] for row in self.rows) for r in range(self.num_ranks))
+    def bytes_per_rank(self, styles: Collection[str] | None = None) -> tuple[int, ...]:
+        """Parameter bytes each rank holds once the plan is applied (of the rows of ``styles`` only, if given)."""
+        rows = [row for row in self.rows if styles is None or row.style in styles]
+        return tuple(sum(row.bytes_per_rank[r] for row in rows) for r in range(self.num_ranks))
+
+    def expert_bytes_per_rank(self) -> tuple[int, ...]:
+        """Bytes of mixture-of-experts weights each rank holds (``ExpertParallel`` /
+        ``ExpertTensorParallel`` rows): ``1/world`` of the experts under either style.
+
+        Example::
+
+            >>> from torch_tp.models.moe import GroupedExperts
+            >>> from torch_tp import ExpertParallel
+            >>> explain_plan(GroupedExperts(4, 2, num_experts=4), 2, ExpertParallel()).expert_bytes_per_rank()
+            (192, 192)
+        """
+        return self.bytes_per_rank(EXPERT_STYLES)
 
     def problems(self) -> list[str]:
         """Notes that block applying the plan (a style that cannot handle its module)."""
@@ -279,4 +297,7 @@ def _format_table(report: PlanReport) -> str:
     lines.insert(1, "-" * len(lines[0]))
     totals = _per_rank(tuple(_human_bytes(b) for b in report.bytes_per_rank()))
     lines.append(f"parameter bytes per rank: {totals} (rank order)")
+    if any(row.style in EXPERT_STYLES for row in report):
+        experts = _per_rank(tuple(_human_bytes(b) for b in report.expert_bytes_per_rank()))
+        lines.append(f"expert parameter bytes per rank: {experts} (rank order)")
     return "\n".join(line.rstrip() for line in lines)
