@@ -8,16 +8,22 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import explain_plan, verify_plan
-from torch_tp.testing import assert_training_step_matches, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import (
+    assert_params_and_grads_match,
+    assert_training_step_matches,
+    run_on_ranks,
+    tp_mesh,
+    world_sizes,
+)
 
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen3_moe"]
-# MoE experts stay whole (replicated) until torch_tp's MoE styles land: attention-only
-OPTIONS = {"mixtral": dict(experts=None), "qwen3_moe": dict(experts=None)}
+MOE_FAMILIES = ["mixtral", "qwen3_moe"]
+OPTIONS = {}  # the translator's defaults (MoE experts: experts="tensor", transformers' moe_tp_experts)
 VOCAB = 128
 # float32. AdamW normalizes each update by the gradient's running scale, so for a gradient
 # element near zero a 1e-8 difference moves the parameter by up to lr: the optimizer's eps is
@@ -172,10 +178,12 @@ def test_plan_translation_drops_unbuilt_modules_and_refuses_unknown_strings():
     model._tp_plan = {**original, "model.layers.*.mlp.up_proj": "colwise_sideways"}
     with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj' is 'colwise_sideways'.*transformers 5"):
         tp_plan(model)
-    model._tp_plan = {**original, "model.layers.*.mlp.up_proj": "moe_tp_experts"}
+    model._tp_plan = {**original, "model.layers.*.mlp.up_proj": "mla_kv_a_proj"}
     with pytest.raises(NotImplementedError, match="experts=None"):
         tp_plan(model)
     assert "model.layers.*.mlp.up_proj" not in tp_plan(model, experts=None)
+    with pytest.raises(ValueError, match=r"experts='experts'"):
+        tp_plan(model, experts="experts")
 
 
 def _three_heads_on_two_ranks():
@@ -228,3 +236,58 @@ def test_vocab_parallel_loss_shards_only_the_output_heads_logits():
     # Phi-3's fused projections use the same string (colwise_gather_output) but stay gathered
     assert plan["model.layers.*.self_attn.qkv_proj"].output_layouts == Replicate()
     assert plan["model.layers.*.self_attn.qkv_proj"].use_local_output is True
+
+
+# --------------------------------------------------------------------------- MoE experts
+
+
+def _moe_trains_like_one_process(family, experts, sequence_parallel):
+    """Logits, the router's auxiliary loss, the total loss and every gradient, 3 AdamW steps."""
+    from torch_tp.integrations.transformers import parallelize
+
+    reference = _build(family)
+    reference.config.output_router_logits = True
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sequence_parallel, experts=experts)
+    down = model.model.layers[0].mlp.experts.down_proj
+    assert down.placements == ((Shard(2),) if experts == "tensor" else (Shard(0),))  # [E, H, I]
+    whole = sum(p.nbytes for n, p in reference.named_parameters() if ".experts." in n)
+    local = sum(p.to_local().untyped_storage().nbytes() for n, p in model.named_parameters() if ".experts." in n)
+    assert local == whole // tp_mesh().size()
+    optimizers = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (model, reference)]
+    for step in range(3):
+        ids, targets = torch.randint(0, VOCAB, (2, 2, 8))
+        out, want = model(ids, labels=targets), reference(ids, labels=targets)
+        what = f"{family} experts={experts} sp={sequence_parallel} step {step}"
+        torch.testing.assert_close(out.logits, want.logits, **TOL, msg=lambda m: f"{what} logits: {m}")
+        torch.testing.assert_close(out.aux_loss, want.aux_loss, **TOL, msg=lambda m: f"{what} aux loss: {m}")
+        torch.testing.assert_close(out.loss, want.loss, **TOL, msg=lambda m: f"{what} loss: {m}")
+        out.loss.backward()
+        want.loss.backward()
+        assert_params_and_grads_match(model, reference, **TOL, what=what)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("experts", ["tensor", "expert"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_decoders_with_expert_tensor_or_expert_parallel_train_like_one_process(world_size, family, experts):
+    run_on_ranks(_moe_trains_like_one_process, world_size, family, experts, False)
+    run_on_ranks(_moe_trains_like_one_process, world_size, family, experts, True)
+
+
+def _greedy_generation_with_expert_parallelism(family):
+    from torch_tp.integrations.transformers import parallelize
+
+    reference = _build(family).eval()
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), experts="expert")
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    kwargs = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    # one new token per step: one rank dispatches it, the others send nothing
+    assert torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_greedy_generation_with_expert_parallelism_gives_the_single_process_tokens(family):
+    run_on_ranks(_greedy_generation_with_expert_parallelism, 2, family)

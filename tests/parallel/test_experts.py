@@ -71,13 +71,15 @@ def _routing(case: str, tokens: int, num_experts: int, generator: torch.Generato
         index[:, 1] = (index[:, 0] + 1) % (num_experts - owned)
     elif case == "top1":
         index = torch.randint(0, num_experts, (tokens, 1), generator=generator)
+    elif case == "one_token":  # fewer tokens than ranks: some ranks dispatch nothing at all
+        index = torch.tensor([[num_experts - 1, 0]])
     else:  # top2, random
         index = torch.stack([torch.randperm(num_experts, generator=generator)[:2] for _ in range(tokens)])
     weights = torch.rand(index.shape, generator=generator).softmax(-1)
     return index, weights
 
 
-CASES = ["all_to_expert_0", "last_rank_idle", "top1", "top2"]
+CASES = ["all_to_expert_0", "last_rank_idle", "top1", "top2", "one_token"]
 
 
 @on_ranks(2, 4)
@@ -94,8 +96,9 @@ def test_grouped_experts_are_exact_under_skewed_routing(style, tokens_layout, ca
     else:
         expert_tensor_parallel(experts, tp_mesh(), input_layouts=layout, output_layouts=layout)
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(12, 16, generator=generator)
-    index, weights = _routing(case, 12, 8, generator)
+    tokens = 1 if case == "one_token" else 12
+    x = torch.randn(tokens, 16, generator=generator)
+    index, weights = _routing(case, tokens, 8, generator)
     ref_x, ref_weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     want = reference(ref_x, index, ref_weights)
     want.pow(2).sum().backward()

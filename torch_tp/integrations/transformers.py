@@ -25,10 +25,13 @@ from collections.abc import Callable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_tp.parallel import (
     ColwiseParallel,
+    ExpertParallel,
+    ExpertTensorParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -39,7 +42,7 @@ from torch_tp.parallel import (
     parallelize_module,
 )
 
-__all__ = ["STYLES", "tp_plan", "parallelize"]
+__all__ = ["STYLES", "EXPERT_STYLES", "tp_plan", "parallelize"]
 
 _SEQ = Shard(1)
 
@@ -76,13 +79,17 @@ STYLES: dict[str, Callable[[bool, bool], ParallelStyle]] = {
     "replicated_with_grad_allreduce": lambda sp, vp: ReplicateParallel(input_layouts=Shard(2)),
 }
 
+#: ``tp_plan(experts=...)`` -> the style of each grouped-experts module (``layers.*.mlp.experts``)
+#: when activations between layers are replicated. The experts' parameter entries
+#: (``packed_colwise`` gate_up_proj, ``rowwise`` down_proj) are covered by it.
+EXPERT_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "tensor": ExpertTensorParallel,  # transformers' moe_tp_experts: every expert split on its hidden dim
+    "expert": ExpertParallel,  # whole experts per rank, tokens dispatched by all-to-all
+}
+
 # Strings transformers uses that torch_tp does not translate yet, and what to do instead.
 _NOT_YET = {
-    "packed_colwise": "MoE experts' fused gate_up_proj (expert parallelism lands with torch_tp's MoE styles)",
-    "packed_rowwise": "MoE experts' fused weights",
-    "moe_tp_experts": "MoE experts",
-    "moe_identity_expert": "MoE experts",
-    "local_params": "MoE experts",
+    "moe_identity_expert": "MoE identity experts",
     "mla_kv_a_proj": "multi-head latent attention",
     "all_reduce": "a module whose output transformers all-reduces",
     "replicate": "a module transformers replicates",
@@ -182,8 +189,12 @@ def tp_plan(
             decoder norms run on sequence shards (``SequenceParallel``).
         vocab_parallel_loss (bool): keep the logits sharded on the vocab as a DTensor, for
             :func:`torch_tp.loss.cross_entropy`. Default: gathered logits, as transformers.
-        experts (str or None): ``"tensor"`` translates expert entries (not yet supported:
-            raises); ``None`` leaves MoE experts out of the plan (attention-only).
+        experts (str or None): the MoE experts' layout (Mixtral, Qwen3-MoE): ``"tensor"``
+            (default, transformers' ``moe_tp_experts``: every expert split on its hidden dim,
+            :class:`~torch_tp.parallel.ExpertTensorParallel`), ``"expert"`` (whole experts
+            per rank, tokens sent to them by all-to-all,
+            :class:`~torch_tp.parallel.ExpertParallel`) or ``None`` (experts left whole
+            on every rank). The router stays replicated and sees every token.
 
     Returns:
         ``{pattern: style}`` for :func:`torch_tp.parallelize_module`.
@@ -194,21 +205,28 @@ def tp_plan(
         >>> tp_plan(LlamaForCausalLM(config))["model.layers.*.self_attn.q_proj"]
         ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), use_local_output=True)
     """
+    if experts not in (*EXPERT_STYLES, None):
+        raise ValueError(f"tp_plan(experts={experts!r}): pass one of {[*EXPERT_STYLES, None]}")
     paths = [path for path, _ in model.named_modules()]
     head = _output_head_path(model)
     plan: dict[str, ParallelStyle] = {}
-    unsharded: list[str] = []  # MoE blocks left whole (experts=None)
+    blocks: list[str] = []  # patterns of the MoE blocks (parents of grouped experts)
+    whole: list[str] = []  # modules of untranslated strings, left unsharded (experts=None)
     for key, value in _model_plan(model).items():
-        if experts is None and (value in _NOT_YET or ".experts" in key):
-            unsharded.append(key.rpartition(".experts")[0] if ".experts" in key else key)
+        if ".experts" in key:
+            blocks.append(key.partition(".experts")[0])
+            continue  # the experts module's style covers its parameters
+        if experts is None and value in _NOT_YET:
+            whole.append(key)
             continue
         if not match_pattern(key, paths):
             continue  # a module this config does not build
         sharded_logits = vocab_parallel_loss and head in match_pattern(key, paths)
         plan[key] = _translated(key, value, sequence_parallel, sharded_logits)
     plan.update(_input_preparation(model, plan, sequence_parallel))
+    plan.update(_moe_blocks(_built_moe_blocks(blocks, paths), experts, sequence_parallel))
     if sequence_parallel:
-        plan.update({key: _whole_on_the_full_sequence() for key in dict.fromkeys(unsharded) if match_pattern(key, paths)})
+        plan.update({key: _block_on_the_full_sequence(Replicate()) for key in whole if match_pattern(key, paths)})
         prefix = _base_prefix(model)
         plan.update({f"{prefix}{norm}": SequenceParallel() for norm in _NORMS if match_pattern(f"{prefix}{norm}", paths)})
     return plan
@@ -221,12 +239,42 @@ def _output_head_path(model: nn.Module) -> str | None:
     return next((path for path, module in model.named_modules() if module is head), None)
 
 
-def _whole_on_the_full_sequence() -> ParallelStyle:
-    """A module left unsharded (an MoE block with ``experts=None``) under sequence parallelism:
-    it runs on the gathered sequence with its replicated weights, and hands back sequence shards."""
+def _built_moe_blocks(patterns: list[str], paths: list[str]) -> list[str]:
+    """The paths of the modules ``patterns`` match that hold grouped experts (Qwen3-MoE's
+    ``mlp_only_layers`` are dense MLPs under the same pattern)."""
+    built = set(paths)
+    matched = (path for pattern in dict.fromkeys(patterns) for path in match_pattern(pattern, paths))
+    return [path for path in dict.fromkeys(matched) if f"{path}.experts" in built]
+
+
+def _moe_blocks(blocks: list[str], experts: str | None, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The experts' style, and under sequence parallelism the block's gather and scatter.
+
+    The block (router + experts) runs on every token, so the router, its routing and the
+    auxiliary loss transformers computes from its logits are the single-process ones.
+    Under sequence parallelism the block gathers the sequence; expert-TP's partial sums are
+    reduce-scattered once onto the sequence shards, expert parallelism's replicated output
+    is split back onto them. ``experts=None`` leaves the experts whole.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    partial = experts == "tensor" and sequence_parallel
+    for block in blocks:
+        if experts is not None:
+            style = ExpertTensorParallel(output_layouts=Partial(), use_local_output=False) if partial \
+                else EXPERT_STYLES[experts]()
+            plan[f"{block}.experts"] = style
+        if sequence_parallel:
+            plan[block] = _block_on_the_full_sequence(Partial() if partial else Replicate())
+    return plan
+
+
+def _block_on_the_full_sequence(output: Placement) -> ParallelStyle:
+    """A block under sequence parallelism that needs every token (an MoE block, a module left
+    whole): it runs on the gathered sequence, and its output (replicated, or partial sums)
+    goes back onto sequence shards."""
     return PrepareModuleInputOutput(
         input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(_SEQ,), use_local_output=False,
+        output_layouts=(output,), desired_output_layouts=(_SEQ,), use_local_output=False,
     )
 
 

@@ -72,7 +72,7 @@ def combine(
     back = _all_to_all(expert_out, route.sent, route.received, group)
     copies = back[torch.argsort(route.order)]  # copy i of the flattened [tokens, k] assignment
     tokens, top_k = top_k_weights.shape
-    weighted = copies.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(copies.dtype)
+    weighted = copies.view(tokens, top_k, copies.shape[-1]) * top_k_weights.unsqueeze(-1).to(copies.dtype)
     return weighted.sum(1)
 
 

@@ -40,12 +40,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import finish_output, redistribute_to, replace_forward, to_dtensor
+from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
 from torch_tp.parallel import _dispatch, rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters
 
@@ -140,14 +141,18 @@ def _mismatched(shapes: dict[str, tuple[int, ...]]) -> bool:
 @contextmanager
 def _local_parameters(module: nn.Module):
     """Run ``module`` on this rank's shards: its DTensor parameters read as their local
-    tensors (differentiably, so gradients reach the DTensor parameters)."""
-    held = dict(module._parameters)
+    tensors (differentiably, so gradients reach the DTensor parameters), and its
+    ``num_experts`` is the number of experts it holds here (transformers' grouped-mm path
+    sizes its offsets by it)."""
+    held, num_experts = dict(module._parameters), module.num_experts
     local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in held.items()}
     module._parameters.update(local)
+    module.num_experts = next(iter(local.values())).shape[0]
     try:
         yield local
     finally:
         module._parameters.update(held)
+        module.num_experts = num_experts
 
 
 def _as_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor:
@@ -157,12 +162,6 @@ def _as_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTen
 def _own_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
     """This rank's rows: its chunk of replicated tokens (gradients gathered back), or its own."""
     return redistribute_to(_as_tokens(value, mesh, layout), Shard(0)).to_local()
-
-
-def _all_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
-    """Every token, on every rank; the gradient each rank computes from it is a partial sum."""
-    whole = redistribute_to(_as_tokens(value, mesh, layout), Replicate())
-    return whole.to_local(grad_placements=(Partial(),))
 
 
 def _run_local_experts(module: nn.Module, inner, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
@@ -210,13 +209,38 @@ def _expert_parallel_forward(
     return _home(out, hidden_states, mesh, layout, use_local_output)
 
 
+def _token_count(hidden_states: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> int | None:
+    """The number of tokens over the group, for plain inputs holding each rank's own tokens.
+
+    One small all-gather; the counts must follow ``torch.chunk`` (as sequence parallelism
+    gives), the layout a ``Shard(0)`` DTensor of them has.
+    """
+    if layout != Shard(0) or isinstance(hidden_states, DTensor):
+        return None
+    counts = torch.tensor([hidden_states.shape[0]], device=hidden_states.device)
+    counts = funcol.wait_tensor(funcol.all_gather_tensor(counts, 0, mesh.get_group())).tolist()
+    if tuple(counts) != shard_sizes(sum(counts), len(counts)):
+        raise ValueError(
+            f"ExpertTensorParallel(input_layouts=Shard(0)): the ranks hold {counts} tokens, which is not "
+            f"how a sharded dim of {sum(counts)} splits ({list(shard_sizes(sum(counts), len(counts)))}); "
+            f"gather the tokens first and pass input_layouts=Replicate()"
+        )
+    return sum(counts)
+
+
+def _all_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, count: int | None) -> torch.Tensor:
+    """Every token, on every rank; the gradient each rank computes from it is a partial sum."""
+    tokens = value if isinstance(value, DTensor) else to_dtensor(value, mesh, layout, sharded_dim_size=count)
+    return redistribute_to(tokens, Replicate()).to_local(grad_placements=(Partial(),))
+
+
 @torch.compiler.disable  # the experts' own loop over experts is data dependent
 def _expert_tensor_parallel_forward(
     module, hidden_states, top_k_index, top_k_weights, *, inner, mesh, input_layouts, output_layouts, use_local_output
 ):
     layout = _tokens_layout(hidden_states, input_layouts, "ExpertTensorParallel")
-    tokens, weights = _all_tokens(hidden_states, mesh, layout), _all_tokens(top_k_weights, mesh, layout)
-    index = redistribute_to(_as_tokens(top_k_index, mesh, layout), Replicate()).to_local()
+    count = _token_count(hidden_states, mesh, layout)
+    tokens, weights, index = (_all_tokens(v, mesh, layout, count) for v in (hidden_states, top_k_weights, top_k_index))
     with _local_parameters(module):
         partial = inner(tokens, index, weights)
     out = DTensor.from_local(partial, mesh, (Partial(),), run_check=False)
@@ -296,8 +320,9 @@ class ExpertTensorParallel(ParallelStyle):
 
     Keyword Args:
         input_layouts (Placement, optional): the tokens' layout: ``Replicate()`` (default) or
-            ``Shard(0)`` (each rank's own tokens, gathered first; every rank must hold as many,
-            as sequence parallelism gives).
+            ``Shard(0)`` (each rank's own tokens, gathered first; the ranks' token counts must
+            split as ``torch.chunk`` splits, as sequence parallelism gives: one small
+            all-gather of the counts checks it).
         output_layouts (Placement, optional): ``Replicate()`` (default: one all-reduce),
             ``Shard(0)`` (one reduce-scatter onto the tokens) or ``Partial()`` (leave the
             partial sums to a later reduction, with ``use_local_output=False``).
