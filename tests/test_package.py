@@ -22,6 +22,7 @@ PUBLIC_MODULES = [
     "torch_tp.overlap",
     "torch_tp.models",
     "torch_tp.models.llama",
+    "torch_tp.models.moe",
     "torch_tp.testing",
     "torch_tp.launch",
     "torch_tp.loss",

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch_tp.conv as tp_conv
+import torch_tp.conv.batch_norm as tp_batch_norm
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
 from torch_tp.functional import spatial
 from torch_tp.testing import (
@@ -35,12 +36,13 @@ WIDTH_PLAN = {"*": SpatialParallel(dim=3)}
 def _restoring_handlers(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        was_installed = tp_conv.is_installed()
+        was_installed = tp_conv.is_installed(), tp_batch_norm.is_installed()
         try:
             return fn(*args, **kwargs)
         finally:
-            if tp_conv.is_installed() and not was_installed:
-                tp_conv.uninstall()
+            for handlers, was in zip((tp_conv, tp_batch_norm), was_installed):
+                if handlers.is_installed() and not was:
+                    handlers.uninstall()
 
     return wrapper
 
@@ -189,7 +191,6 @@ def test_import_alone_installs_nothing():
 # name: (the refused module, phrases its error must hold besides the quoted path)
 _REFUSED = {
     "head": (lambda: nn.Linear(4, 4), ("nn.Conv2d",)),
-    "norm": (lambda: nn.BatchNorm2d(8), ("batch statistics",)),  # training mode
     "pool": (lambda: nn.MaxPool2d(2), ()),
     "drop": (lambda: nn.Dropout(0.5), ()),
     "wrap": (lambda: nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular"), ()),
@@ -227,10 +228,10 @@ def test_inputs_and_modes_the_sharded_convolution_cannot_run_are_refused_at_forw
     with pytest.raises(ValueError, match="batched 4-D"):
         conv(torch.randn(3, 8, 8))
 
-    # a BatchNorm switched back to training after parallelizing refuses to run
+    # without the BatchNorm handlers a BatchNorm cannot use its plain running statistics
     model = parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
-    model.train()
-    with pytest.raises(RuntimeError, match="training mode"):
+    tp_batch_norm.uninstall()
+    with pytest.raises(RuntimeError, match=r"torch_tp.conv.batch_norm.install\(\)"):
         model(torch.randn(2, 3, 8, 8))
 
 
@@ -255,3 +256,31 @@ def test_style_is_immutable_hashable_and_validates_its_arguments():
         SpatialParallel(dim=1)
     with pytest.raises(TypeError, match="one Placement"):
         SpatialParallel(dim=3, input_layouts=(Shard(3),))
+
+
+@on_ranks(2, 4)
+@_restoring_handlers
+def test_a_cnn_with_batch_norm_in_training_mode_trains_like_one_process():
+    """Batch statistics of the whole image (not of a strip), running statistics identical on
+    every rank and equal to one process's, through training and then eval."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None),
+    )
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), WIDTH_PLAN)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    image = torch.randn(2, 3, 6, 10)  # width 10: strips 3, 3, 3, 1 on 4 ranks
+    for step in range(3):
+        out, want = model(local_chunk(image, 3)), reference(image)
+        torch.testing.assert_close(out.full_tensor(), want, **TOL, msg=lambda m: f"step {step}: {m}")
+        out.full_tensor().pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, **TOL, msg=lambda m: f"{name}: {m}")
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(local_chunk(image, 3)).full_tensor(), reference(image), **TOL)

@@ -7,7 +7,9 @@ with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each 
 :func:`install` / :func:`uninstall` / :func:`sharded_convolution` put DTensor handlers for
 ``aten.convolution`` and its backward in place that use them (see :mod:`torch_tp.conv.sharded_conv`).
 :class:`SpatialParallel` (and :func:`torch_tp.functional.spatial`) run whole convolution
-layers on spatial shards with them (:mod:`torch_tp.conv.spatial`).
+layers on spatial shards with them (:mod:`torch_tp.conv.spatial`), and BatchNorm in training
+mode with the statistics of the whole batch through :mod:`torch_tp.conv.batch_norm`'s
+handlers (:func:`sharded_batch_norm`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -20,6 +22,7 @@ Example::
 """
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
+from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
 from torch_tp.conv.halo import halo_bytes, halo_exchange
 from torch_tp.conv.sharded_conv import (
     convolution_backward_handler,
@@ -33,6 +36,9 @@ from torch_tp.conv.spatial import SpatialParallel, check_spatial
 
 __all__ = [
     "ShardWindow",
+    "batch_norm_backward_handler",
+    "batch_norm_handler",
+    "sharded_batch_norm",
     "SpatialParallel",
     "check_spatial",
     "conv_windows",

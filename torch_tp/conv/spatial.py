@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
+from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
+from torch_tp.conv import batch_norm as sharded_batch_norm
 from torch_tp.conv import sharded_conv
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
@@ -72,10 +73,10 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     """Raise if ``SpatialParallel(dim=dim)`` cannot run ``module`` on a spatial shard (changes nothing).
 
     Accepted: ``nn.Conv1d/2d/3d`` with ``padding_mode="zeros"`` (sharded along one of their
-    spatial dims), eval-mode ``nn.BatchNorm1d/2d/3d`` with running statistics, and
-    position-wise modules (``nn.ReLU``, ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with
-    ``p=0`` or in eval mode, ...). Refused: training-mode BatchNorm (its batch statistics
-    would be per shard), pooling and everything else.
+    spatial dims), ``nn.BatchNorm1d/2d/3d`` in training mode (statistics of the whole batch,
+    :mod:`torch_tp.conv.batch_norm`) and eval mode, and position-wise modules (``nn.ReLU``,
+    ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with ``p=0`` or in eval mode, ...).
+    Refused: pooling and everything else.
 
     Example::
 
@@ -116,12 +117,6 @@ def _require_spatial_module(module: nn.Module, where: str) -> None:
             f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
             f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
         )
-    if isinstance(module, SPATIAL_BATCHNORMS) and (module.training or not module.track_running_stats or module.running_mean is None):
-        raise rules.UnsupportedModuleError(
-            f"{_STYLE} cannot run {where} in training mode (or without running "
-            f"statistics): its batch statistics would be computed per shard. Call "
-            f".eval() on it before parallelizing (it then normalizes with running stats)"
-        )
     if isinstance(module, nn.Dropout) and module.training and module.p > 0:
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} with p={module.p} in training mode: its mask "
@@ -131,7 +126,7 @@ def _require_spatial_module(module: nn.Module, where: str) -> None:
         names = ", ".join(f"nn.{t.__name__}" for t in _HANDLED)
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: it handles {names} "
-            f"(BatchNorm in eval mode). Pooling windows cross shard borders; gather "
+            f"(BatchNorm in training and eval mode). Pooling windows cross shard borders; gather "
             f"the input first (e.g. output_layouts=Replicate() on the module before)"
         )
 
@@ -160,6 +155,13 @@ def _global_size(local: torch.Tensor, d: int, device_mesh, where: str) -> int:
 
 
 def _require_runnable_input(module: nn.Module, x: torch.Tensor, where: str) -> None:
+    if isinstance(module, SPATIAL_BATCHNORMS) and not sharded_batch_norm.is_installed():
+        raise RuntimeError(
+            f"{_STYLE} on {where}: the sharded BatchNorm handlers were uninstalled "
+            f"(torch_tp.conv.batch_norm.uninstall()); without them DTensor cannot normalize a "
+            f"spatial shard with the module's plain running statistics. Call "
+            f"torch_tp.conv.batch_norm.install()"
+        )
     if not isinstance(module, SPATIAL_CONVS):
         return
     if not sharded_conv.is_installed():
@@ -195,44 +197,20 @@ def _spatial_output(module, inputs, output, *, layout, use_local_output):
     return finish_output(redistribute_to(output, layout), use_local_output)
 
 
-def _batch_norm_eval_forward(module, x):
-    # Eval-mode BatchNorm is a per-channel affine map: run it as pointwise DTensor ops so the
-    # input stays sharded (DTensor's batch_norm rule would all-gather it) and the
-    # replicated weight/bias get Partial gradients that DTensor sums over the ranks.
-    if module.training:
-        raise RuntimeError(
-            f"{_STYLE}: {type(module).__name__} was switched to training mode after it was "
-            f"parallelized; its batch statistics would be computed per shard. Keep it in eval mode"
-        )
-    shape = [1, -1] + [1] * (x.ndim - 2)
-    mesh = x.device_mesh
-    inv_std = torch.rsqrt(module.running_var.to(x.dtype) + module.eps)
-    shift = -module.running_mean.to(x.dtype) * inv_std
-
-    def replicated(t):
-        return DTensor.from_local(t.reshape(shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-    y = x * replicated(inv_std) + replicated(shift)
-    if module.weight is not None:
-        y = y * module.weight.reshape(shape)
-    if module.bias is not None:
-        y = y + module.bias.reshape(shape)
-    return y
-
-
 # ---------------------------------------------------------------------------- style
 
 
 class SpatialParallel(ParallelStyle):
     """Run a convolution on an input sharded along a spatial dim (halo exchange), weights replicated.
 
-    Handles ``nn.Conv1d/2d/3d`` and the position-wise modules between them: eval-mode
-    ``nn.BatchNorm1d/2d/3d``, ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and
+    Handles ``nn.Conv1d/2d/3d`` and the modules between them: ``nn.BatchNorm1d/2d/3d`` in
+    training mode (the statistics of the whole batch: one small all-gather forward, one
+    all-reduce backward) and eval mode, ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and
     ``nn.Dropout`` with ``p=0`` or in eval mode, and subclasses that keep their ``forward``;
 a subclass with its own ``forward`` (timm's ``BatchNormAct2d``) is refused, since this style
 would run the base class's computation in its place.
-    Training-mode BatchNorm (per-shard batch statistics) and pooling (windows crossing shard
-    borders) are refused with :class:`~torch_tp.UnsupportedModuleError` naming the module path.
+    Pooling (windows crossing shard borders) is refused with
+    :class:`~torch_tp.UnsupportedModuleError` naming the module path.
     A plain-tensor input is this rank's ``torch.chunk`` slice (the global size is gathered,
     so uneven slices work) or, with ``input_layouts=Replicate()``, the full input. The
     gradients of the replicated parameters come back summed over the ranks.
@@ -258,9 +236,9 @@ would run the base class's computation in its place.
         (Shard(dim=3),)
 
     .. note:: Applying it to a convolution installs the halo-exchange convolution handlers
-        of :mod:`torch_tp.conv` (:func:`torch_tp.conv.install`, once) and leaves them
-        installed; importing torch_tp alone changes no DTensor behaviour. An eval-mode
-        BatchNorm switched back to training mode afterwards makes its forward raise.
+        of :mod:`torch_tp.conv` (:func:`torch_tp.conv.install`, once), to a BatchNorm the
+        handlers of :mod:`torch_tp.conv.batch_norm`, and leaves them installed; importing
+        torch_tp alone changes no DTensor behaviour.
     """
 
     dim: int
@@ -284,8 +262,8 @@ would run the base class's computation in its place.
         distribute_parameters(module, rules.replicated_placements(module), device_mesh, src_data_rank)
         if isinstance(module, SPATIAL_CONVS) and not sharded_conv.is_installed():
             sharded_conv.install()
-        if isinstance(module, SPATIAL_BATCHNORMS):
-            replace_forward(module, _batch_norm_eval_forward)  # uses its plain running statistics itself
+        if isinstance(module, SPATIAL_BATCHNORMS) and not sharded_batch_norm.is_installed():
+            sharded_batch_norm.install()  # its handlers read the module's plain running statistics
         else:
             name_plain_tensors_on_error(module, _STYLE, module_path)
         module.register_forward_pre_hook(partial(
