@@ -26,6 +26,7 @@ PUBLIC_MODULES = [
     "torch_tp.testing",
     "torch_tp.launch",
     "torch_tp.loss",
+    "torch_tp.checkpoint",
     "torch_tp.integrations.transformers",
     "torch_tp.demo",
 ]
