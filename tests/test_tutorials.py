@@ -98,3 +98,12 @@ def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
     halo_left, halo_right, gathered = map(int, sent.groups())
     assert halo_left == halo_right == 2 * 3 * 16 * 4  # one column of a 2x3x16 image per edge
     assert gathered > 40 * halo_left
+
+
+def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
+    out = _run("tutorials/spatial_unet.py")
+    pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
+    assert len(pairs) == 4
+    for sharded, single in pairs:  # float32: summation order (and pooling ties) only
+        assert abs(float(sharded) - float(single)) <= 1e-4 * max(1.0, abs(float(single)))
+    assert "rank 0 logits strip (1, 3, 32, 96) of the image's (1, 3, 32, 192)" in out

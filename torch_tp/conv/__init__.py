@@ -9,7 +9,8 @@ with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each 
 :class:`SpatialParallel` (and :func:`torch_tp.functional.spatial`) run whole convolution
 layers on spatial shards with them (:mod:`torch_tp.conv.spatial`), and BatchNorm in training
 mode with the statistics of the whole batch through :mod:`torch_tp.conv.batch_norm`'s
-handlers (:func:`sharded_batch_norm`).
+handlers (:func:`sharded_batch_norm`), and max / average pooling with halos
+(:func:`sharded_pooling`, :mod:`torch_tp.conv.pooling`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -24,6 +25,7 @@ Example::
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
 from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
 from torch_tp.conv.halo import halo_bytes, halo_exchange
+from torch_tp.conv.pooling import sharded_pooling
 from torch_tp.conv.sharded_conv import (
     convolution_backward_handler,
     convolution_handler,
@@ -50,5 +52,6 @@ __all__ = [
     "is_installed",
     "resolve_padding",
     "sharded_convolution",
+    "sharded_pooling",
     "uninstall",
 ]

@@ -221,6 +221,14 @@ def _global_out_shape(x: DTensor, weight: DTensor, plan_args: tuple) -> list[int
 # --------------------------------------------------------------------------------------------
 
 
+def _reduced(x: Any) -> Any:
+    """A partial-sum input (a spatial mean feeding a 1x1 convolution, as in squeeze-excite)
+    reduced first: the convolution of the whole value, its gradient replicated."""
+    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+
+
 def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.convolution.default`` with a spatially sharded input.
 
@@ -229,7 +237,8 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
 
     Raises:
         NotImplementedError: transposed convolution, the input sharded on channels or on more
-            than one spatial dim (or ``Partial``), weight or bias not replicated.
+            than one spatial dim, weight or bias not replicated. (A ``Partial`` input is reduced
+            first.)
         ValueError: what :func:`conv_windows` refuses (e.g. a halo wider than a neighbour's shard).
 
     Example:
@@ -244,6 +253,7 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(
         args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
                        "output_padding", "groups"))
+    x = _reduced(x)
     plan = _plan(x, weight, bias, stride, padding, dilation, transposed, groups)
     n_spatial = x.ndim - 2
     op_padding = _expand(padding, n_spatial, "padding")
@@ -290,6 +300,7 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
      output_mask) = _bind(args, kwargs, ("grad_output", "input", "weight", "bias_sizes", "stride",
                                          "padding", "dilation", "transposed", "output_padding",
                                          "groups", "output_mask"))
+    x = _reduced(x)
     plan = _plan(x, weight, None, stride, padding, dilation, transposed, groups)
     if not isinstance(grad_out, DTensor):
         raise NotImplementedError("sharded convolution backward needs grad_output as a DTensor")

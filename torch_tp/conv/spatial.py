@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
 from torch_tp.conv import batch_norm as sharded_batch_norm
+from torch_tp.conv import pooling as sharded_pooling
 from torch_tp.conv import sharded_conv
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
-__all__ = ["SpatialParallel", "check_spatial"]
+__all__ = ["SpatialParallel", "check_spatial", "check_spatial_region", "is_spatial_leaf"]
 
 # What SpatialParallel runs on a spatial shard: convolutions (halo exchange) and modules
 # that compute each position on its own. Pooling is refused: its windows cross shard
@@ -96,6 +98,79 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
 
 
 _HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE
+
+
+def is_spatial_leaf(module: nn.Module) -> bool:
+    """Whether ``SpatialParallel`` runs ``module`` as one layer (a convolution, a BatchNorm, a
+    position-wise module); a module with submodules (a model, a block) it runs as a *region*.
+
+    Example::
+
+        >>> is_spatial_leaf(nn.Conv2d(3, 8, 3)), is_spatial_leaf(nn.Sequential(nn.Conv2d(3, 8, 3)))
+        (True, False)
+    """
+    return _handled_base(module) is not None
+
+
+_TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _require_region_layer(module: nn.Module, where: str) -> None:
+    """Inside a region every op runs on the shard; refuse the layers whose result would differ."""
+    if isinstance(module, _TRANSPOSED_CONVS):
+        raise rules.UnsupportedModuleError(
+            f"{_STYLE} cannot run {where} on a spatial shard yet: transposed convolution has no "
+            f"halo handler; end the region before it (until=...) or leave the model whole"
+        )
+    if isinstance(module, (*SPATIAL_CONVS, *_TRANSPOSED_CONVS)) and module.padding_mode != "zeros":
+        raise rules.UnsupportedModuleError(
+            f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
+            f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
+        )
+    if isinstance(module, _DROPOUTS) and module.training and module.p > 0:
+        raise rules.UnsupportedModuleError(
+            f"{_STYLE} cannot run {where} with p={module.p} in training mode: its mask "
+            f"would differ from the unsharded model's. Use p=0 or .eval()"
+        )
+
+
+def check_spatial_region(
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, dim: int = -1,
+    until: str | None = None,
+) -> None:
+    """Raise if ``SpatialParallel(dim=dim, until=until)`` cannot run the container ``module`` as a
+    spatial region (changes nothing).
+
+    Every layer inside runs on the spatial shard through DTensor and torch_tp's op handlers
+    (convolution, BatchNorm); refused up front, naming the path: a layer whose result on a
+    shard cannot equal the unsharded one (``Dropout`` with ``p > 0`` in training mode, a
+    convolution that pads from the far border), and an ``until`` that names no submodule.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))
+        >>> check_spatial_region(net, 4, "", dim=3, until="2")
+        >>> try:
+        ...     check_spatial_region(net, 4, "", dim=3, until="head")
+        ... except ValueError as err:
+        ...     print(str(err)[:60])
+        SpatialParallel(until='head') on '<root>' (Sequential): no s
+    """
+    rules.require_1d_mesh(device_mesh, _STYLE)
+    _spatial_dim(dim, None, "")
+    where = rules.describe(module, module_path)
+    paths = dict(module.named_modules())
+    if until is not None and (not until or until not in paths):
+        raise ValueError(
+            f"{_STYLE}(until={until!r}) on {where}: no submodule has that path; name the module "
+            f"where the spatial region ends (e.g. the classifier head), one of {sorted(p for p in paths if p)[:8]}"
+        )
+    for path, child in paths.items():
+        inner = f"{module_path}.{path}" if module_path and path else (path or module_path)
+        _require_region_layer(child, rules.describe(child, inner))
+    rules.require_plain_parameters(module, _STYLE, module_path)
+    rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
 
 
 def _handled_base(module: nn.Module) -> type | None:
@@ -197,20 +272,68 @@ def _spatial_output(module, inputs, output, *, layout, use_local_output):
     return finish_output(redistribute_to(output, layout), use_local_output)
 
 
+# A region records, per call, whether its input came as a plain tensor (its output goes back
+# in the same form); a stack, since a module may be called re-entrantly.
+_PLAIN_INPUTS = "_torch_tp_spatial_plain_inputs"
+
+
+def _region_input(module, args, **where):
+    x = args[0] if args else None
+    module.__dict__.setdefault(_PLAIN_INPUTS, []).append((not isinstance(x, DTensor), getattr(x, "ndim", 0)))
+    return _spatial_input(module, args, **where)
+
+
+def _whole(value: DTensor) -> DTensor:
+    """``value`` with every mesh dim ``Replicate()``: the spatial dims reduced (pooled) or gathered."""
+    return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+
+
+def _region_output(module, inputs, output, *, layout, dim, use_local_output):
+    """A region hands back what its input was: strips of a map that is still spatial (a U-Net's
+    logits), whole values once the spatial dim is pooled away (a classifier's), or the whole
+    tensor when ``output_layouts`` asks for it; a plain tensor for a plain input."""
+    plain, ndim = module.__dict__[_PLAIN_INPUTS].pop()
+    if not isinstance(output, DTensor):
+        return output
+    d = dim % ndim
+    still_spatial = output.ndim == ndim and output.shape[d] > 1
+    output = redistribute_to(output, Shard(d)) if layout == Shard(dim) and still_spatial else _whole(output)
+    return output.to_local() if plain or use_local_output else output
+
+
+def _head_input(module, args):
+    """The module where a region ends (``until``) reads whole tensors, as the unsharded model's head."""
+    return tuple(_whole(a) if isinstance(a, DTensor) else a for a in args)
+
+
 # ---------------------------------------------------------------------------- style
 
 
 class SpatialParallel(ParallelStyle):
-    """Run a convolution on an input sharded along a spatial dim (halo exchange), weights replicated.
+    """Run a whole CNN (or one layer of it) on an input sharded along a spatial dim, weights replicated.
 
-    Handles ``nn.Conv1d/2d/3d`` and the modules between them: ``nn.BatchNorm1d/2d/3d`` in
-    training mode (the statistics of the whole batch: one small all-gather forward, one
-    all-reduce backward) and eval mode, ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and
-    ``nn.Dropout`` with ``p=0`` or in eval mode, and subclasses that keep their ``forward``;
-a subclass with its own ``forward`` (timm's ``BatchNormAct2d``) is refused, since this style
-would run the base class's computation in its place.
-    Pooling (windows crossing shard borders) is refused with
+    **On a model or block** (any module that is not one of the layers below), the module is a
+    *spatial region*: ``parallelize_module(model, mesh, SpatialParallel(dim=3))``. Every
+    parameter inside is replicated, the input becomes ``Shard(dim)``, and every op runs on the
+    rank's strip through DTensor and torch_tp's op handlers (convolution with halo exchange,
+    BatchNorm with the statistics of the whole batch), so third-party modules that call
+    these ops work unchanged (a BatchNorm subclass that applies its activation in its own
+    ``forward``, a channels-last LayerNorm, squeeze-excite's spatial mean). Where the spatial
+    dims are pooled away, what follows (a classifier head) computes on the whole value. The
+    region returns what its input was: a plain tensor for a plain input (this rank's strip
+    of a map that is still spatial, such as a U-Net's logits; the whole value once pooled), a
+    DTensor for a DTensor. ``until="head"`` ends the region at that submodule, which reads
+    whole tensors. Layers whose result on a strip would differ (``Dropout`` with ``p > 0`` in
+    training, a convolution padding from the far border, a transposed convolution) are
+    refused naming their path.
+
+    **On one layer**: ``nn.Conv1d/2d/3d``, ``nn.BatchNorm1d/2d/3d`` (training and eval mode),
+    ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and ``nn.Dropout`` with ``p=0``
+    or in eval mode, and subclasses that keep their ``forward`` (a subclass with its own
+    ``forward``, timm's ``BatchNormAct2d``, is refused there: run it inside a region). The
+    output stays a ``Shard(dim)`` DTensor for the next layer. Pooling is refused with
     :class:`~torch_tp.UnsupportedModuleError` naming the module path.
+
     A plain-tensor input is this rank's ``torch.chunk`` slice (the global size is gathered,
     so uneven slices work) or, with ``input_layouts=Replicate()``, the full input. The
     gradients of the replicated parameters come back summed over the ranks.
@@ -222,8 +345,11 @@ would run the base class's computation in its place.
         input_layouts (Placement, optional): layout of a plain-tensor input. Default
             ``Shard(dim)``: this rank's ``torch.chunk`` slice (uneven slices are fine);
             ``Replicate()``: the full input, of which each rank keeps its slice.
-        output_layouts (Placement, optional): layout of the output. Default ``Shard(dim)``.
+        output_layouts (Placement, optional): layout of the output. Default ``Shard(dim)``
+            (a region: the strip of a map, the whole of a pooled value); ``Replicate()``: whole.
         use_local_output (bool): return the local shard instead of a DTensor. Default ``False``.
+        until (str, optional): torch_tp only; for a region, the path of the submodule where
+            it ends (it and what follows read whole tensors). Default ``None``.
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -231,41 +357,54 @@ would run the base class's computation in its place.
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
-        >>> parallelize_module(cnn, mesh, {"*": SpatialParallel(dim=3)})   # every layer
-        >>> cnn(my_width_slice).placements
+        >>> parallelize_module(resnet, mesh, SpatialParallel(dim=3))   # the whole model, one line
+        >>> resnet(my_width_strip).shape                                # whole logits
+        torch.Size([2, 10])
+        >>> parallelize_module(cnn, mesh, {"*": SpatialParallel(dim=3)})  # layer by layer
+        >>> cnn(my_width_strip).placements
         (Shard(dim=3),)
 
-    .. note:: Applying it to a convolution installs the halo-exchange convolution handlers
-        of :mod:`torch_tp.conv` (:func:`torch_tp.conv.install`, once), to a BatchNorm the
-        handlers of :mod:`torch_tp.conv.batch_norm`, and leaves them installed; importing
-        torch_tp alone changes no DTensor behaviour.
+    .. note:: Applying it installs the op handlers it needs (:func:`torch_tp.conv.install`
+        for convolutions, :mod:`torch_tp.conv.batch_norm`'s for BatchNorm) and leaves them
+        installed; importing torch_tp alone changes no DTensor behaviour.
     """
 
     dim: int
     input_layouts: Placement | None = None
     output_layouts: Placement | None = None
     use_local_output: bool = False
+    until: str | None = None
+    _additive_defaults: ClassVar[dict[str, Any]] = {"until": None}
 
     def __post_init__(self):
         _spatial_dim(self.dim, None, "")
         self.input_layouts = rules.single_layout(self.input_layouts, "input_layouts", _STYLE, Shard(self.dim))
         self.output_layouts = rules.single_layout(self.output_layouts, "output_layouts", _STYLE, Shard(self.dim))
         self.use_local_output = rules.flag(self.use_local_output, "use_local_output", _STYLE)
+        if self.until is not None and not isinstance(self.until, str):
+            raise TypeError(f"{_STYLE}(until=...) takes a submodule path such as 'head', got {self.until!r}")
 
     def param_placements(self, module):
         return rules.replicated_placements(module)
 
+    def _is_region(self, module: nn.Module) -> bool:
+        """A module with submodules (a model, a block) is a region; a layer is one layer."""
+        return self.until is not None or (not is_spatial_leaf(module) and any(True for _ in module.children()))
+
     def check(self, module, device_mesh, module_path=None):
-        check_spatial(module, device_mesh, module_path, dim=self.dim)
+        if self._is_region(module):
+            check_spatial_region(module, device_mesh, module_path, dim=self.dim, until=self.until)
+        else:
+            check_spatial(module, device_mesh, module_path, dim=self.dim)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, rules.replicated_placements(module), device_mesh, src_data_rank)
-        if isinstance(module, SPATIAL_CONVS) and not sharded_conv.is_installed():
-            sharded_conv.install()
-        if isinstance(module, SPATIAL_BATCHNORMS) and not sharded_batch_norm.is_installed():
-            sharded_batch_norm.install()  # its handlers read the module's plain running statistics
-        else:
-            name_plain_tensors_on_error(module, _STYLE, module_path)
+        plain = {name: p for name, p in rules.replicated_placements(module).items()
+                 if not isinstance(module.get_parameter(name), DTensor)}  # a region inside a region
+        distribute_parameters(module, plain, device_mesh, src_data_rank)
+        if self._is_region(module):
+            return self._apply_to_region(module, device_mesh, module_path)
+        _install_handlers(module)
+        name_plain_tensors_on_error(module, _STYLE, module_path)
         module.register_forward_pre_hook(partial(
             _spatial_input, device_mesh=device_mesh, input_layout=self.input_layouts, dim=self.dim,
             module_path=module_path,
@@ -275,3 +414,27 @@ would run the base class's computation in its place.
         )
         rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
         return module
+
+    def _apply_to_region(self, module, device_mesh, module_path):
+        _install_handlers(None)
+        module.register_forward_pre_hook(partial(
+            _region_input, device_mesh=device_mesh, input_layout=self.input_layouts, dim=self.dim,
+            module_path=module_path,
+        ))
+        module.register_forward_hook(partial(
+            _region_output, layout=self.output_layouts, dim=self.dim, use_local_output=self.use_local_output,
+        ))
+        if self.until is not None:
+            module.get_submodule(self.until).register_forward_pre_hook(_head_input)
+        rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
+        return module
+
+
+def _install_handlers(module: nn.Module | None) -> None:
+    """The op handlers ``module`` needs (every one, for a region), installed once and left installed."""
+    if (module is None or isinstance(module, SPATIAL_CONVS)) and not sharded_conv.is_installed():
+        sharded_conv.install()
+    if (module is None or isinstance(module, SPATIAL_BATCHNORMS)) and not sharded_batch_norm.is_installed():
+        sharded_batch_norm.install()  # its handlers read the module's plain running statistics
+    if module is None and not sharded_pooling.is_installed():
+        sharded_pooling.install()  # a region's pooling windows cross strip borders: halos

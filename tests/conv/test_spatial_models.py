@@ -1,0 +1,133 @@
+"""Whole CNNs spatially parallel in one line, in training mode: ``parallelize_module(model, mesh,
+SpatialParallel(dim=...))`` on the root module, every op on the rank's strip of the image.
+
+Whole-network comparisons run in float64 (in float32 a max-pool or ReLU decision near a tie may
+flip between two correct programs); each compares with the single-process model through 3 SGD
+steps: outputs, loss, every gradient, BatchNorm running statistics, then eval mode.
+"""
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+
+import torch_tp.conv as tp_conv
+import torch_tp.conv.batch_norm as tp_batch_norm
+import torch_tp.conv.pooling as tp_pooling
+from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
+from torch_tp.models import cnn
+from torch_tp.testing import assert_params_and_grads_match, local_chunk, on_ranks, tp_mesh
+
+F64 = dict(rtol=1e-7, atol=1e-9)  # float64: summation order only
+CLASSIFIERS = ["resnet", "convnext"]
+
+
+def _leave_handlers_as_found(fn):
+    """Rank workers are shared between tests: uninstall what this test installed."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was = tp_conv.is_installed(), tp_batch_norm.is_installed(), tp_pooling.is_installed()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for handlers, installed in zip((tp_conv, tp_batch_norm, tp_pooling), was):
+                if handlers.is_installed() and not installed:
+                    handlers.uninstall()
+
+    return wrapper
+
+
+def _train_like_one_process(reference, model, image, dim, *, spatial_output):
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    for step in range(3):
+        out, whole = model(local_chunk(image, dim)), reference(image)  # one forward each: BN statistics
+        want = local_chunk(whole, dim) if spatial_output else whole  # a map: each rank its strip
+        assert not isinstance(out, DTensor)
+        torch.testing.assert_close(out, want, **F64, msg=lambda m: f"step {step} output: {m}")
+        if spatial_output:  # the strips' losses sum to the whole map's
+            loss, ref_loss = out.pow(2).sum() / whole.numel(), whole.pow(2).mean()
+        else:
+            loss, ref_loss = out.pow(2).mean(), whole.pow(2).mean()
+            torch.testing.assert_close(loss, ref_loss, **F64)
+        loss.backward()
+        ref_loss.backward()
+        assert_params_and_grads_match(model, reference, **F64, what=f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    buffers = dict(model.named_buffers())
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], buffer, **F64, msg=lambda m: f"{name}: {m}")
+    model.eval(), reference.eval()
+    want = reference(image)
+    torch.testing.assert_close(model(local_chunk(image, dim)), local_chunk(want, dim) if spatial_output else want, **F64)
+
+
+@on_ranks(2, 4)
+@pytest.mark.parametrize("dim", [3, 2], ids=["width", "height"])
+@pytest.mark.parametrize("name", CLASSIFIERS)
+@_leave_handlers_as_found
+def test_a_classifier_trains_spatially_parallel_in_one_line(name, dim):
+    torch.manual_seed(0)
+    reference = getattr(cnn, name)(num_classes=5).double()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=dim))
+    image = torch.randn(2, 3, 72, 88, dtype=torch.float64)  # uneven strips deeper in (88 / 4 / 2 = 11 over 4)
+    _train_like_one_process(reference, model, image, dim, spatial_output=False)
+
+
+@on_ranks(2, 4)
+@_leave_handlers_as_found
+def test_a_unet_returns_each_rank_its_strip_of_the_logits_and_trains_like_one_process():
+    torch.manual_seed(0)
+    reference = cnn.unet(width=4).double()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=3))
+    image = torch.randn(1, 3, 16, 48, dtype=torch.float64)
+    _train_like_one_process(reference, model, image, 3, spatial_output=True)
+
+
+@on_ranks(2)
+@_leave_handlers_as_found
+def test_until_ends_the_region_at_the_head_which_reads_whole_features():
+    torch.manual_seed(0)
+    reference = cnn.resnet(num_classes=5).double()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=3, until="head"))
+    seen = []
+    model.head.register_forward_pre_hook(lambda module, args: seen.append(args[0].placements))
+    image = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(model(local_chunk(image, 3)), reference(image), **F64)
+    assert seen == [(Replicate(),)]
+
+
+@on_ranks(2)
+@_leave_handlers_as_found
+def test_output_layouts_replicate_returns_the_whole_map():
+    torch.manual_seed(0)
+    reference = cnn.unet(width=4).double()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=3, output_layouts=Replicate()))
+    image = torch.randn(1, 3, 16, 32, dtype=torch.float64)
+    torch.testing.assert_close(model(local_chunk(image, 3)), reference(image), **F64)
+
+
+# name: (the model, the path its error names)
+_REFUSED = {
+    "dropout": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.Dropout2d(0.1))), "'1.0' (Dropout2d)"),
+    "circular": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")), "'0' (Conv2d)"),
+}
+
+
+@pytest.mark.parametrize("name", list(_REFUSED))
+def test_layers_whose_result_on_a_strip_would_differ_are_refused_naming_their_path(name):
+    build, where = _REFUSED[name]
+    model = build()
+    with pytest.raises(UnsupportedModuleError, match=re.escape(f"SpatialParallel cannot run {where}")):
+        SpatialParallel(dim=3).check(model, 4, "")
+
+
+def test_until_must_name_a_submodule():
+    with pytest.raises(ValueError, match=r"until='fc'.*no submodule has that path"):
+        SpatialParallel(dim=3, until="fc").check(cnn.resnet(), 2, "")
