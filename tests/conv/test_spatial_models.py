@@ -17,13 +17,17 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import torch_tp.conv as tp_conv
 import torch_tp.conv.batch_norm as tp_batch_norm
+import torch_tp.conv.group_norm as tp_group_norm
 import torch_tp.conv.pooling as tp_pooling
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
 from torch_tp.models import cnn
 from torch_tp.testing import assert_params_and_grads_match, local_chunk, on_ranks, tp_mesh
 
 F64 = dict(rtol=1e-7, atol=1e-9)  # float64: summation order only
-CLASSIFIERS = ["resnet", "convnext"]
+CLASSIFIERS = ["resnet", "convnext", "efficientnet"]
+
+
+_HANDLERS = (tp_conv, tp_batch_norm, tp_group_norm, tp_pooling)
 
 
 def _leave_handlers_as_found(fn):
@@ -31,11 +35,11 @@ def _leave_handlers_as_found(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        was = tp_conv.is_installed(), tp_batch_norm.is_installed(), tp_pooling.is_installed()
+        was = tuple(handlers.is_installed() for handlers in _HANDLERS)
         try:
             return fn(*args, **kwargs)
         finally:
-            for handlers, installed in zip((tp_conv, tp_batch_norm, tp_pooling), was):
+            for handlers, installed in zip(_HANDLERS, was):
                 if handlers.is_installed() and not installed:
                     handlers.uninstall()
 

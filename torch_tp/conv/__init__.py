@@ -10,7 +10,9 @@ with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each 
 layers on spatial shards with them (:mod:`torch_tp.conv.spatial`), and BatchNorm in training
 mode with the statistics of the whole batch through :mod:`torch_tp.conv.batch_norm`'s
 handlers (:func:`sharded_batch_norm`), and max / average pooling with halos
-(:func:`sharded_pooling`, :mod:`torch_tp.conv.pooling`).
+(:func:`sharded_pooling`, :mod:`torch_tp.conv.pooling`), GroupNorm with the whole image's
+statistics (:func:`sharded_group_norm`) and DTensor rules for the activations it lacks
+(:func:`sharded_pointwise`, :mod:`torch_tp.conv.pointwise`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -24,7 +26,9 @@ Example::
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
 from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
+from torch_tp.conv.group_norm import group_norm_backward_handler, group_norm_handler, sharded_group_norm
 from torch_tp.conv.halo import halo_bytes, halo_exchange
+from torch_tp.conv.pointwise import sharded_pointwise
 from torch_tp.conv.pooling import sharded_pooling
 from torch_tp.conv.sharded_conv import (
     convolution_backward_handler,
@@ -52,6 +56,10 @@ __all__ = [
     "is_installed",
     "resolve_padding",
     "sharded_convolution",
+    "sharded_group_norm",
+    "sharded_pointwise",
+    "group_norm_handler",
+    "group_norm_backward_handler",
     "sharded_pooling",
     "uninstall",
 ]

@@ -27,6 +27,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
 from torch_tp.conv import batch_norm as sharded_batch_norm
+from torch_tp.conv import group_norm as sharded_group_norm
+from torch_tp.conv import pointwise as sharded_pointwise
 from torch_tp.conv import pooling as sharded_pooling
 from torch_tp.conv import sharded_conv
 from torch_tp.parallel import rules
@@ -40,8 +42,11 @@ __all__ = ["SpatialParallel", "check_spatial", "check_spatial_region", "is_spati
 SPATIAL_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SPATIAL_POINTWISE = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Dropout,
+    nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.ELU, nn.CELU, nn.SELU, nn.Softplus, nn.Hardtanh, nn.PReLU,
+    nn.Hardshrink, nn.Softshrink, nn.Threshold, nn.Softsign, nn.Tanhshrink,
 )
 SPATIAL_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+SPATIAL_GROUPNORMS = (nn.GroupNorm,)
 _STYLE = "SpatialParallel"
 
 
@@ -76,7 +81,8 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
 
     Accepted: ``nn.Conv1d/2d/3d`` with ``padding_mode="zeros"`` (sharded along one of their
     spatial dims), ``nn.BatchNorm1d/2d/3d`` in training mode (statistics of the whole batch,
-    :mod:`torch_tp.conv.batch_norm`) and eval mode, and position-wise modules (``nn.ReLU``,
+    :mod:`torch_tp.conv.batch_norm`) and eval mode, ``nn.GroupNorm`` (statistics of the whole
+    image, :mod:`torch_tp.conv.group_norm`), and position-wise modules (``nn.ReLU``, ``nn.Hardswish``,
     ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with ``p=0`` or in eval mode, ...).
     Refused: pooling and everything else.
 
@@ -97,7 +103,7 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
 
 
-_HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_POINTWISE
+_HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_GROUPNORMS + SPATIAL_POINTWISE
 
 
 def is_spatial_leaf(module: nn.Module) -> bool:
@@ -230,6 +236,11 @@ def _global_size(local: torch.Tensor, d: int, device_mesh, where: str) -> int:
 
 
 def _require_runnable_input(module: nn.Module, x: torch.Tensor, where: str) -> None:
+    if isinstance(module, SPATIAL_GROUPNORMS) and not sharded_group_norm.is_installed():
+        raise RuntimeError(
+            f"{_STYLE} on {where}: the sharded GroupNorm handlers were uninstalled; call "
+            f"torch_tp.conv.group_norm.install()"
+        )
     if isinstance(module, SPATIAL_BATCHNORMS) and not sharded_batch_norm.is_installed():
         raise RuntimeError(
             f"{_STYLE} on {where}: the sharded BatchNorm handlers were uninstalled "
@@ -436,5 +447,9 @@ def _install_handlers(module: nn.Module | None) -> None:
         sharded_conv.install()
     if (module is None or isinstance(module, SPATIAL_BATCHNORMS)) and not sharded_batch_norm.is_installed():
         sharded_batch_norm.install()  # its handlers read the module's plain running statistics
+    if (module is None or isinstance(module, SPATIAL_GROUPNORMS)) and not sharded_group_norm.is_installed():
+        sharded_group_norm.install()  # whole-image statistics; channel LayerNorm keeps empty strips
+    if module is None or isinstance(module, SPATIAL_POINTWISE):
+        sharded_pointwise.register()  # activations DTensor has no rule for (idempotent)
     if module is None and not sharded_pooling.is_installed():
         sharded_pooling.install()  # a region's pooling windows cross strip borders: halos
