@@ -135,3 +135,21 @@ def test_layers_whose_result_on_a_strip_would_differ_are_refused_naming_their_pa
 def test_until_must_name_a_submodule():
     with pytest.raises(ValueError, match=r"until='fc'.*no submodule has that path"):
         SpatialParallel(dim=3, until="fc").check(cnn.resnet(), 2, "")
+
+
+@on_ranks(2)
+@pytest.mark.parametrize("name", [*CLASSIFIERS, "unet"])
+@_leave_handlers_as_found
+def test_verify_plan_passes_on_each_zoo_model(name):
+    from torch_tp import verify_plan
+
+    def build():
+        return (cnn.unet(width=4) if name == "unet" else getattr(cnn, name)(num_classes=5)).double()
+
+    style = SpatialParallel(dim=3, output_layouts=Replicate())  # whole outputs to compare
+    report = verify_plan(
+        build, tp_mesh(), style, lambda step: (torch.randn(2, 3, 32, 64, dtype=torch.float64),),
+        loss_fn=lambda out: out.pow(2).mean(), steps=2, atol=1e-9, rtol=1e-7, raise_on_mismatch=False,
+        shard_inputs=lambda args: (local_chunk(args[0], 3),),
+    )
+    assert report.ok, str(report)
