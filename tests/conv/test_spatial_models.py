@@ -19,6 +19,7 @@ import torch_tp.conv as tp_conv
 import torch_tp.conv.batch_norm as tp_batch_norm
 import torch_tp.conv.group_norm as tp_group_norm
 import torch_tp.conv.pooling as tp_pooling
+import torch_tp.conv.upsample as tp_upsample
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
 from torch_tp.models import cnn
 from torch_tp.testing import assert_params_and_grads_match, local_chunk, on_ranks, tp_mesh
@@ -27,7 +28,7 @@ F64 = dict(rtol=1e-7, atol=1e-9)  # float64: summation order only
 CLASSIFIERS = ["resnet", "convnext", "efficientnet"]
 
 
-_HANDLERS = (tp_conv, tp_batch_norm, tp_group_norm, tp_pooling)
+_HANDLERS = (tp_conv, tp_batch_norm, tp_group_norm, tp_pooling, tp_upsample)
 
 
 def _leave_handlers_as_found(fn):
@@ -85,10 +86,11 @@ def test_a_classifier_trains_spatially_parallel_in_one_line(name, dim):
 
 
 @on_ranks(2, 4)
+@pytest.mark.parametrize("transposed", [False, True], ids=["bilinear", "transposed_conv"])
 @_leave_handlers_as_found
-def test_a_unet_returns_each_rank_its_strip_of_the_logits_and_trains_like_one_process():
+def test_a_unet_returns_each_rank_its_strip_of_the_logits_and_trains_like_one_process(transposed):
     torch.manual_seed(0)
-    reference = cnn.unet(width=4).double()
+    reference = cnn.unet(width=4, transposed=transposed).double()
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=3))
     image = torch.randn(1, 3, 16, 48, dtype=torch.float64)
     _train_like_one_process(reference, model, image, 3, spatial_output=True)

@@ -12,7 +12,8 @@ mode with the statistics of the whole batch through :mod:`torch_tp.conv.batch_no
 handlers (:func:`sharded_batch_norm`), and max / average pooling with halos
 (:func:`sharded_pooling`, :mod:`torch_tp.conv.pooling`), GroupNorm with the whole image's
 statistics (:func:`sharded_group_norm`) and DTensor rules for the activations it lacks
-(:func:`sharded_pointwise`, :mod:`torch_tp.conv.pointwise`).
+(:func:`sharded_pointwise`, :mod:`torch_tp.conv.pointwise`), and upsampling and transposed
+convolution on strips (:func:`sharded_upsampling`, :mod:`torch_tp.conv.upsample`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -39,6 +40,7 @@ from torch_tp.conv.sharded_conv import (
     uninstall,
 )
 from torch_tp.conv.spatial import SpatialParallel, check_spatial
+from torch_tp.conv.upsample import sharded_upsampling, transposed_convolution_handler
 
 __all__ = [
     "ShardWindow",
@@ -61,5 +63,7 @@ __all__ = [
     "group_norm_handler",
     "group_norm_backward_handler",
     "sharded_pooling",
+    "sharded_upsampling",
+    "transposed_convolution_handler",
     "uninstall",
 ]

@@ -236,9 +236,9 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     groups)``. Returns a DTensor with the input's placements and the exact global output shape.
 
     Raises:
-        NotImplementedError: transposed convolution, the input sharded on channels or on more
-            than one spatial dim, weight or bias not replicated. (A ``Partial`` input is reduced
-            first.)
+        NotImplementedError: the input sharded on channels or on more than one spatial dim,
+            weight or bias not replicated. (A ``Partial`` input is reduced first; a transposed
+            convolution goes to :func:`torch_tp.conv.upsample.transposed_convolution_handler`.)
         ValueError: what :func:`conv_windows` refuses (e.g. a halo wider than a neighbour's shard).
 
     Example:
@@ -253,6 +253,10 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(
         args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
                        "output_padding", "groups"))
+    if transposed:  # the overlap of neighbouring outputs, the adjoint of the halo: upsample.py
+        from torch_tp.conv.upsample import transposed_convolution_handler
+
+        return transposed_convolution_handler(op_call, args, kwargs)
     x = _reduced(x)
     plan = _plan(x, weight, bias, stride, padding, dilation, transposed, groups)
     n_spatial = x.ndim - 2
@@ -300,6 +304,10 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
      output_mask) = _bind(args, kwargs, ("grad_output", "input", "weight", "bias_sizes", "stride",
                                          "padding", "dilation", "transposed", "output_padding",
                                          "groups", "output_mask"))
+    if transposed:
+        from torch_tp.conv.upsample import transposed_convolution_backward_handler
+
+        return transposed_convolution_backward_handler(op_call, args, kwargs)
     x = _reduced(x)
     plan = _plan(x, weight, None, stride, padding, dilation, transposed, groups)
     if not isinstance(grad_out, DTensor):

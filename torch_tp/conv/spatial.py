@@ -30,6 +30,7 @@ from torch_tp.conv import batch_norm as sharded_batch_norm
 from torch_tp.conv import group_norm as sharded_group_norm
 from torch_tp.conv import pointwise as sharded_pointwise
 from torch_tp.conv import pooling as sharded_pooling
+from torch_tp.conv import upsample as sharded_upsample
 from torch_tp.conv import sharded_conv
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
@@ -124,11 +125,6 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 
 def _require_region_layer(module: nn.Module, where: str) -> None:
     """Inside a region every op runs on the shard; refuse the layers whose result would differ."""
-    if isinstance(module, _TRANSPOSED_CONVS):
-        raise rules.UnsupportedModuleError(
-            f"{_STYLE} cannot run {where} on a spatial shard yet: transposed convolution has no "
-            f"halo handler; end the region before it (until=...) or leave the model whole"
-        )
     if isinstance(module, (*SPATIAL_CONVS, *_TRANSPOSED_CONVS)) and module.padding_mode != "zeros":
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
@@ -453,3 +449,5 @@ def _install_handlers(module: nn.Module | None) -> None:
         sharded_pointwise.register()  # activations DTensor has no rule for (idempotent)
     if module is None and not sharded_pooling.is_installed():
         sharded_pooling.install()  # a region's pooling windows cross strip borders: halos
+    if module is None and not sharded_upsample.is_installed():
+        sharded_upsample.install()  # upsampling reads the columns its outputs interpolate
