@@ -84,9 +84,13 @@ Conv layers (world > 1, one row per ``nn.Conv2d``)
     reduce-scatter of its gradient when it needs one. ``equal``: measured f+b == formula on
     every rank.
 
-Whole activations (world > 1, only when there are any)
+Whole activations (world > 1; a line saying "none" when there are none)
     saved tensors that are whole, grouped by the innermost module running and the torch
-    function that saved them (``<root>`` is ``UNet.forward`` itself: the skip ``cat``).
+    function that saved them (``<root>`` is ``UNet.forward`` itself: the skip ``cat``), the
+    most tensors any rank saved there and the bytes per rank.
+
+All world sizes share one launch, so the world-1 step runs on rank 0 while the other ranks wait
+in the next step's barrier; compare ``--world-sizes 1`` (world 1 alone) to see what that costs.
 """
 
 from __future__ import annotations
@@ -263,8 +267,9 @@ class LargestLocalTensor(TorchDispatchMode):
             return NotImplemented  # DTensor runs it as local ops, which come back here
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            # DTensor's sharding propagation builds fake tensors of the global shape: no memory
-            if type(t) in (torch.Tensor, nn.Parameter) and t.numel() * t.element_size() > self.largest[0]:
+            # sharding propagation and shape checks build fake and meta tensors of the global shape: no memory
+            if (type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta
+                    and t.numel() * t.element_size() > self.largest[0]):
                 self.largest = (t.numel() * t.element_size(), f"{self.where()} {func._overloadpacket.__name__}")
         return out
 
@@ -277,7 +282,8 @@ def module_stack(model: nn.Module) -> Iterator[list[str]]:
     for path, module in model.named_modules():
         label = f"{path or '<root>'} ({type(module).__name__})"
         handles.append(module.register_forward_pre_hook(lambda *_, label=label: stack.append(label)))
-        handles.append(module.register_forward_hook(lambda *_: None if stack.pop() else None))  # returns None: keeps the output
+        # a forward hook that returns something replaces the output: pop, return None
+        handles.append(module.register_forward_hook(lambda *_: None if stack.pop() else None))
     try:
         yield stack
     finally:
@@ -519,7 +525,8 @@ def rank_main(config: Config) -> None:
         if runs[w].member:
             results[w]["wall_s"] = [wall for wall, _ in times[w]]
             results[w]["cpu_s"] = [cpu for _, cpu in times[w]]
-            results[w]["param_bytes"] = sum(local(p).numel() * local(p).element_size() for p in runs[w].model.parameters())
+            params = runs[w].model.parameters()
+            results[w]["param_bytes"] = sum(local(p).numel() * local(p).element_size() for p in params)
 
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)
@@ -576,6 +583,10 @@ def per_rank(values: list[float], fmt) -> str:
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "inf"
+
+
+def times(a: float, b: float) -> str:
+    return f"{a / b:.1f}" if b else "inf"
 
 
 def goal_cell(world: int, value: float) -> str:
@@ -652,7 +663,8 @@ def comm_totals(row: dict) -> dict:
 def comm_cells(row: dict) -> tuple[str, ...]:
     t = comm_totals(row)
     return (str(row["world"]), per_rank(t["sent"], kib), per_rank(t["conv_sent"], kib), per_rank(t["formula"], kib),
-            per_rank(t["others"], kib), kib(t["gather"]), ratio(t["gather"], max(t["conv_sent"])), format_counts(row["collectives"]["counts"]),
+            per_rank(t["others"], kib), kib(t["gather"]), times(t["gather"], max(t["conv_sent"])),
+            format_counts(row["collectives"]["counts"]),
             kib(row["collectives_bytes"]))
 
 
@@ -688,7 +700,8 @@ def reading(rows: list[dict], cpus: int, load: float) -> list[str]:
         b_q1 = statistics.quantiles(base["wall_s"], n=4)[0]
         clear = "" if q3 < b_q1 or q1 > b_q3 else ", quartiles overlapping world 1's"
         parts.append(f"world {r['world']} {t * 1e3:.0f} ms ({t1 / t:.2f}x{clear}; the busiest rank computes "
-                     f"{c * 1e3:.0f} ms of CPU, {c / c1:.2f}x world 1's {c1 * 1e3:.0f} ms for 1/{r['world']} of the image)")
+                     f"{c * 1e3:.0f} ms of CPU, {c / c1:.2f}x world 1's {c1 * 1e3:.0f} ms, for 1/{r['world']} "
+                     f"of the image)")
     crowded = [r["world"] for r in rows if r["world"] > cpus]
     note = (f" World {', '.join(map(str, crowded))} runs more ranks than the {cpus} CPUs: its ranks share cores."
             if crowded else "")
@@ -726,7 +739,7 @@ def reading(rows: list[dict], cpus: int, load: float) -> list[str]:
                   for kind in sorted({k for h in row["halos"] for k in h["others"]})}
         lines += paragraph(
             f"- World {w} communication: the convolutions send {kib(max(t['conv_sent']))} KiB per step on the "
-            f"busiest rank, {ratio(t['gather'], max(t['conv_sent']))}x less than gathering their inputs would "
+            f"busiest rank, {times(t['gather'], max(t['conv_sent']))}x less than gathering their inputs would "
             f"({kib(t['gather'])} KiB); measured equals halo_bytes for {equal} of the {len(sharded)} conv layers "
             f"with a Shard(3) input"
             + (f"; {len(whole_in)} conv layers get a whole input and exchange nothing ({', '.join(whole_in)})"
@@ -751,7 +764,8 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
         f"torch {torch.__version__}, {backend}, {cpus} CPUs, 1 thread per rank; {config.iters} timed rounds "
         f"after {config.warmup} warm-up; 1-min load average {options.load_before:.1f} before starting",
         f"U-Net: features {s.features}, depth {s.depth}, {CLASSES} classes, BatchNorm in training mode, "
-        f"{'transposed convolutions' if s.transposed else 'bilinear upsampling'}; image N={n} C={c} H={h} W={w} float32 ({n * c * h * w * 4 / MIB:g} MiB); "
+        f"{'transposed convolutions' if s.transposed else 'bilinear upsampling'}; image N={n} C={c} H={h} W={w} "
+        f"float32 ({n * c * h * w * 4 / MIB:g} MiB); "
         f"world > 1: SpatialParallel(dim=3) on the whole model, width strips",
         "",
         "Step time (forward + backward)",
@@ -799,7 +813,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"NxCxHxW (default {'x'.join(map(str, DEFAULT.image))}; "
                              f"{'x'.join(map(str, QUICK.image))} with --quick)")
     parser.add_argument("--features", type=int, default=None,
-                        help=f"U-Net channels of the first level (default {DEFAULT.features}; {QUICK.features} with --quick)")
+                        help=f"U-Net channels of the first level (default {DEFAULT.features}; "
+                             f"{QUICK.features} with --quick)")
     parser.add_argument("--depth", type=int, default=None,
                         help=f"U-Net pooling levels (default {DEFAULT.depth}; {QUICK.depth} with --quick)")
     parser.add_argument("--transposed", action="store_true",
@@ -823,7 +838,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--image height and width must be multiples of 2**depth = {scale}")
     for world in options.worlds:
         if (w // scale) < 2 * world:
-            parser.error(f"world size {world}: the deepest level is {w // scale} wide; want at least 2 columns per rank")
+            parser.error(f"world size {world}: the deepest level is {w // scale} wide; "
+                         f"want at least 2 columns per rank")
     return options
 
 
