@@ -1,8 +1,9 @@
 """torch_tp.conv: convolution with its input sharded along a spatial dim (halo exchange).
 
 The foundation of spatially sharded convolution: :func:`conv_windows` says, per rank, which
-border slices its outputs need from its neighbours (pure integer math), and
-:func:`halo_exchange` moves them between neighbouring ranks of a process group or mesh dim,
+border slices its outputs need from the ranks beside it (pure integer math; a halo wider
+than the neighbour's strip continues into the next ranks'), and :func:`halo_exchange` moves
+them between the ranks of a process group or mesh dim,
 with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each rank sends.
 :func:`install` / :func:`uninstall` / :func:`sharded_convolution` put DTensor handlers for
 ``aten.convolution`` and its backward in place that use them (see :mod:`torch_tp.conv.sharded_conv`).

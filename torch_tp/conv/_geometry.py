@@ -13,8 +13,11 @@ input positions ``j * stride - pad_l + i * dilation`` for ``i < k``, so the outp
 ``[a, b)`` read ``[a * stride - pad_l, (b - 1) * stride - pad_l + dilation * (k - 1) + 1)``.
 
 :func:`conv_windows` turns that into one :class:`ShardWindow` per rank: what to receive from
-and send to each neighbour, how much of the received strip to trim, and how many zeros to
-add at the global edges. Nothing here touches ``torch.distributed``.
+and send to each other rank, how much of the received strip to trim, and how many zeros to
+add at the global edges. A halo wider than the neighbour's shard (small maps, many ranks,
+wide kernels) continues into the next ranks' shards ("multi-hop"); every rank derives every
+rank's window from the sizes alone, so each knows what to send to whom. Nothing here touches
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = ["ShardWindow", "conv_windows", "resolve_padding"]
 
 Padding = Union[int, str, Sequence[int]]
 _BAD_PADDING = "padding must be an int, a (left, right) pair, 'valid' or 'same', got {!r}"
+_COUNTS = ("recv_left", "recv_right", "send_left", "send_right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,22 +47,34 @@ class ShardWindow:
         need_start, need_stop: the unpadded input positions its outputs span, from the first
             tap of its first output to the last tap of its last output; below ``0`` and from
             ``in_size`` on that is zero padding. Empty (at ``in_start``) for a rank without outputs.
-        recv_left, recv_right: elements received from the left / right neighbour: always the
-            end (suffix) of the left neighbour's shard / the start (prefix) of the right one's.
-        send_left, send_right: elements sent to the left / right neighbour: a prefix / a
-            suffix of its own shard (the neighbour's ``recv_right`` / ``recv_left``).
+        recv_left, recv_right: elements received from the ranks on the left / right: the
+            ``recv_left`` positions just below ``in_start`` / the ``recv_right`` just from
+            ``in_stop`` (the halos always adjoin the shard). Usually all from the immediate
+            neighbour (the end of its shard / the start); when that shard is too short, the
+            halo continues into the next ranks' (see the ``*_hops`` fields).
+        send_left, send_right: elements sent, in total, to the ranks on the left / right:
+            to each, a prefix / a suffix of its own shard. With single-hop halos that is
+            the neighbour's ``recv_right`` / ``recv_left``.
         trim_left, trim_right: elements dropped from the two ends of the exchanged strip
             ``halo_left ++ own ++ halo_right`` because no owned output reads them.
         pad_left, pad_right: zeros to add at the two ends after trimming: the padding at the
             global edges, plus the real edge positions no tap reads (dilation can skip them,
             and they are then neither exchanged nor kept).
+        recv_left_hops, recv_right_hops, send_left_hops, send_right_hops: the four counts
+            split per hop, nearest rank first: ``recv_left_hops[h]`` elements come from rank
+            ``rank - 1 - h`` (the whole shard of every rank but the farthest, the end of the
+            farthest's), ``send_right_hops[h]`` go to rank ``rank + 1 + h`` (a suffix of
+            the own shard), and so on; each tuple sums to its count. Filled only for a rank
+            that exchanges with a rank beyond its immediate neighbours; ``()`` means the count
+            is one hop. :attr:`hops` reads the split either way; ``halo_exchange`` takes its
+            entries as counts (a sequence is a count per hop).
 
     The local convolution input is therefore
     ``pad(strip[trim_left : len(strip) - trim_right], (pad_left, pad_right))``, and convolving
     it with padding 0 and the same stride and dilation gives exactly the owned outputs. The
     halos hold only needed data, so the trims cut own elements, except in the rare
     stride > 1 case where a rank's outputs read none of its own shard: then a trim may also
-    cut part of a received halo (halos are always a prefix / suffix of a neighbour's shard).
+    cut part of a received halo (halos always adjoin the own shard).
 
     Example:
         >>> w = conv_windows(8, 2, kernel_size=3, padding=1)[0]
@@ -68,6 +84,13 @@ class ShardWindow:
         (0, 1, 0, 1, 1, 0)
         >>> w.strip_size, w.local_size, w.out_size
         (5, 6, 4)
+        >>> w = conv_windows(8, 4, kernel_size=7, padding=3)[1]  # shards of 2, halos of 3
+        >>> w.recv_left, w.recv_right, w.recv_right_hops
+        (2, 3, (2, 1))
+        >>> w.recv_ranges  # [0, 2) from rank 0, [4, 6) from rank 2, [6, 7) from rank 3
+        ((0, 0, 2), (2, 4, 6), (3, 6, 7))
+        >>> w.send_ranges  # to rank 0 (its right halo), 2 and 3 (their left halos)
+        ((0, 2, 4), (2, 2, 4), (3, 3, 4))
     """
 
     rank: int
@@ -85,6 +108,54 @@ class ShardWindow:
     trim_right: int
     pad_left: int
     pad_right: int
+    recv_left_hops: tuple[int, ...] = ()
+    recv_right_hops: tuple[int, ...] = ()
+    send_left_hops: tuple[int, ...] = ()
+    send_right_hops: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in _COUNTS:
+            hops = tuple(getattr(self, f"{name}_hops"))
+            if not hops:
+                continue
+            if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hops) or (
+                    sum(hops) != getattr(self, name)):
+                raise ValueError(
+                    f"ShardWindow: {name}_hops={hops} must be ints >= 0 summing to {name}={getattr(self, name)}"
+                )
+            object.__setattr__(self, f"{name}_hops", hops)
+
+    @property
+    def hops(self) -> tuple[tuple[int, ...], ...]:
+        """``(recv_left, recv_right, send_left, send_right)`` per hop, nearest rank first
+        (``(3,)``: all from / to the immediate neighbour; ``()``: nothing)."""
+        return tuple(
+            getattr(self, f"{name}_hops") or ((getattr(self, name),) if getattr(self, name) else ())
+            for name in _COUNTS
+        )
+
+    @property
+    def recv_ranges(self) -> tuple[tuple[int, int, int], ...]:
+        """``(rank, start, stop)`` of every global input range received, in strip order: what
+        this rank needs from every other rank (each range lies in that rank's shard)."""
+        recv_left, recv_right, _, _ = self.hops
+        left, stop = [], self.in_start
+        for h, count in enumerate(recv_left):
+            left.append((self.rank - 1 - h, stop - count, stop))
+            stop -= count
+        right, start = [], self.in_stop
+        for h, count in enumerate(recv_right):
+            right.append((self.rank + 1 + h, start, start + count))
+            start += count
+        return tuple(r for r in left[::-1] + right if r[1] < r[2])
+
+    @property
+    def send_ranges(self) -> tuple[tuple[int, int, int], ...]:
+        """``(rank, start, stop)`` of every global range of the own shard sent, ranks ascending."""
+        _, _, send_left, send_right = self.hops
+        left = [(self.rank - 1 - h, self.in_start, self.in_start + c) for h, c in enumerate(send_left)]
+        right = [(self.rank + 1 + h, self.in_stop - c, self.in_stop) for h, c in enumerate(send_right)]
+        return tuple(r for r in left[::-1] + right if r[1] < r[2])
 
     @property
     def in_size(self) -> int:
@@ -170,15 +241,18 @@ def conv_windows(
 
     Returns:
         ``list[ShardWindow]``, indexed by the rank's position on the sharded mesh dim. The
-        windows agree with each other: ``windows[r].send_left == windows[r - 1].recv_right``
-        and ``windows[r].send_right == windows[r + 1].recv_left``; the first rank receives
-        nothing from the left and the last nothing from the right (no ring).
+        windows agree with each other: what rank ``r`` sends the rank ``h + 1`` to its left is
+        what that rank receives from the rank ``h + 1`` to its right
+        (``windows[r].hops[2][h] == windows[r - 1 - h].hops[1][h]``, and mirrored), which
+        with single-hop halos is ``windows[r].send_left == windows[r - 1].recv_right`` and
+        ``windows[r].send_right == windows[r + 1].recv_left``; the first rank receives
+        nothing from the left and the last nothing from the right (no ring). A halo wider
+        than the neighbour's shard takes that whole shard and continues into the next ones
+        (empty shards pass nothing on).
 
     Raises:
         ValueError: a non-positive size; padding out of range or ``"same"`` with stride > 1;
-            an input too short for the dilated kernel; or a rank whose outputs read data beyond
-            its immediate neighbours (a halo wider than the neighbour's shard), naming the
-            rank, the sizes and the shards.
+            or an input too short for the dilated kernel.
 
     Example:
         >>> ws = conv_windows(30, 4, kernel_size=5, padding=2)  # uneven: shards 8, 8, 8, 6
@@ -196,9 +270,13 @@ def conv_windows(
         >>> ws = conv_windows(7, 3, kernel_size=1, stride=2)  # rank 2 owns no output ...
         >>> [(w.out_size, w.send_left) for w in ws]  # ... but sends rank 1 the input it reads
         [(2, 0), (2, 0), (0, 1)]
-        >>> conv_windows(8, 4, kernel_size=7, padding=3)
-        Traceback (most recent call last):
-        ValueError: rank 0 of 4 needs input [0, 5) but holds [0, 2): a halo of 3 from its right neighbour, ...
+        >>> ws = conv_windows(5, 4, kernel_size=7, padding=3)  # shards 2, 2, 1, 0: multi-hop
+        >>> [(w.recv_left, w.recv_right) for w in ws]
+        [(0, 3), (2, 1), (3, 0), (0, 0)]
+        >>> [w.hops for w in ws]  # (recv_left, recv_right, send_left, send_right) per hop
+        [((), (2, 1), (), (2, 1)), ((2,), (1,), (2,), (2,)), ((2, 1), (), (1, 1), ()), ((), (), (), ())]
+        >>> ws[2].recv_ranges  # rank 2 reads [1, 5): [1, 2) from rank 0, [2, 4) from rank 1
+        ((0, 1, 2), (1, 2, 4))
 
     .. note::
         With stride > 1 the output chunks do not line up with the input chunks (rank ``r``
@@ -207,7 +285,7 @@ def conv_windows(
         outputs may read little or none of its own shard, and a rank may own no output at all
         while it still has to send halos. A rank with ``out_size == 0`` skips its local
         convolution but takes part in the exchange. When the drift reaches past a neighbour,
-        ``ValueError`` says so.
+        the halo continues into the next ranks' shards like any wide halo.
     """
     _check_positive(
         in_size=in_size, num_ranks=num_ranks, kernel_size=kernel_size, stride=stride, dilation=dilation
@@ -221,16 +299,67 @@ def conv_windows(
             f"kernel span dilation*(kernel_size-1)+1 = {span + 1}; the convolution has no output"
         )
     in_chunks, out_chunks = shard_bounds(in_size, num_ranks), shard_bounds(out_total, num_ranks)
+    return _chunk_windows(in_chunks, out_chunks, stride=stride, pad_l=pad_l, dilation=dilation, span=span)
+
+
+def _chunk_windows(
+    in_chunks: list[tuple[int, int]],
+    out_chunks: list[tuple[int, int]],
+    *,
+    stride: int,
+    pad_l: int,
+    dilation: int,
+    span: int,
+) -> list[ShardWindow]:
+    """Every rank's :class:`ShardWindow`, multi-hop halos included, for given input and output
+    chunks (:func:`conv_windows` after its checks; pooling's ``ceil_mode`` outputs too).
+
+    Example:
+        >>> ws = _chunk_windows([(0, 2), (2, 4), (4, 5), (5, 5)], [(0, 2), (2, 4), (4, 5), (5, 5)],
+        ...                     stride=1, pad_l=3, dilation=1, span=6)
+        >>> [w.recv_ranges for w in ws]
+        [((1, 2, 4), (2, 4, 5)), ((0, 0, 2), (2, 4, 5)), ((0, 1, 2), (1, 2, 4)), ()]
+    """
+    num_ranks = len(in_chunks)
+    sizes = [stop - start for start, stop in in_chunks]
     halves = [
         _own_side(r, in_chunks, out_chunks[r], stride=stride, pad_l=pad_l, dilation=dilation, span=span)
         for r in range(num_ranks)
     ]
+    recv_left = [_split(h["recv_left"], sizes[r - 1 :: -1] if r else []) for r, h in enumerate(halves)]
+    recv_right = [_split(h["recv_right"], sizes[r + 1 :]) for r, h in enumerate(halves)]
     windows = []
     for r, half in enumerate(halves):
-        send_left = halves[r - 1]["recv_right"] if r > 0 else 0
-        send_right = halves[r + 1]["recv_left"] if r + 1 < num_ranks else 0
-        windows.append(ShardWindow(send_left=send_left, send_right=send_right, **half))
+        hops = dict(  # what rank r sends the rank h + 1 away is what that rank receives from h + 1 away
+            recv_left_hops=recv_left[r], recv_right_hops=recv_right[r],
+            send_left_hops=_hop_column(recv_right[r - 1 :: -1] if r else []),
+            send_right_hops=_hop_column(recv_left[r + 1 :]),
+        )
+        extra = hops if any(len(h) > 1 for h in hops.values()) else {}
+        windows.append(ShardWindow(send_left=sum(hops["send_left_hops"]),
+                                   send_right=sum(hops["send_right_hops"]), **half, **extra))
     return windows
+
+
+def _split(count: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """``count`` halo elements taken from shards of ``sizes`` (nearest first): per hop, the
+    whole shard until the last one, which gives the rest. ``()`` for no halo."""
+    hops = []
+    for size in sizes:
+        if count == 0:
+            break
+        hops.append(min(count, size))
+        count -= hops[-1]
+    assert count == 0, "a halo reaches past the global edge"  # reads lie in [0, in_size)
+    return tuple(hops)
+
+
+def _hop_column(peers: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Entry ``h`` of the ``h``-th peer's hop tuple (nearest peer first), trailing zeros dropped."""
+    column = [hops[h] if h < len(hops) else 0 for h, hops in enumerate(peers)]
+    while column and column[-1] == 0:
+        column.pop()
+    return tuple(column)
 
 
 def _own_side(
@@ -243,7 +372,10 @@ def _own_side(
     dilation: int,
     span: int,
 ) -> dict[str, int]:
-    """Every :class:`ShardWindow` field of rank ``r`` but the sends (those are its neighbours')."""
+    """Every :class:`ShardWindow` field of rank ``r`` but the sends (those are the readers').
+
+    The counts are totals; :func:`_chunk_windows` splits them per hop.
+    """
     in_size = in_chunks[-1][1]
     in_start, in_stop = in_chunks[r]
     out_start, out_stop = out_chunk
@@ -257,7 +389,6 @@ def _own_side(
     if lo < hi:
         recv_left, recv_right = max(0, in_start - lo), max(0, hi - in_stop)
         trim_left, trim_right = lo - (in_start - recv_left), (in_stop + recv_right) - hi
-        _check_neighbours(r, in_chunks, (lo, hi), recv_left, recv_right)
     else:  # every tap lands in the padding: the outputs are bias only, the input all zeros
         lo = hi = need_stop
         recv_left = recv_right = trim_right = 0
@@ -294,22 +425,3 @@ def _read_range(
         if top < in_size:
             break
     return (0, 0) if first is None else (first, last + 1)
-
-
-def _check_neighbours(
-    r: int, in_chunks: list[tuple[int, int]], reads: tuple[int, int], recv_left: int, recv_right: int
-) -> None:
-    """Raise unless each halo fits in the immediate neighbour's shard (no multi-hop halos)."""
-    num_ranks = len(in_chunks)
-    in_start, in_stop = in_chunks[r]
-    left = in_chunks[r - 1] if r > 0 else (in_start, in_start)
-    right = in_chunks[r + 1] if r + 1 < num_ranks else (in_stop, in_stop)
-    for side, wanted, (n_start, n_stop) in (("left", recv_left, left), ("right", recv_right, right)):
-        if wanted > n_stop - n_start:
-            raise ValueError(
-                f"rank {r} of {num_ranks} needs input [{reads[0]}, {reads[1]}) but holds "
-                f"[{in_start}, {in_stop}): a halo of {wanted} from its {side} neighbour, whose shard "
-                f"[{n_start}, {n_stop}) holds only {n_stop - n_start}. Halos may only come from "
-                f"immediate neighbours; use fewer ranks or a larger input "
-                f"(shards {[c[1] - c[0] for c in in_chunks]})"
-            )

@@ -1,17 +1,20 @@
-"""Halo exchange: each rank borrows border slices from its neighbours along one tensor dim.
+"""Halo exchange: each rank borrows border slices from the ranks beside it along one tensor dim.
 
 A tensor sharded along ``dim`` over the ranks of a process group (or of one mesh dim) is
 extended on every rank by the last slices of its left neighbour's shard and the first slices
-of its right neighbour's, with batched point-to-point messages between neighbours only (the
-first rank has no left neighbour and the last no right one: nothing wraps around). The
-backward is the exact adjoint: halo gradients go back to the ranks that own those slices and
-are added there. :func:`halo_bytes` gives, from the geometry alone, the bytes each rank sends.
+of its right neighbour's, with one batch of point-to-point messages (the first rank has no
+left neighbour and the last no right one: nothing wraps around). A halo wider than the
+neighbour's shard continues into the next ranks' shards ("multi-hop"): the counts are then
+given per hop, and each piece travels directly between its owner and the rank that needs it
+(no relaying), in the same batch. The backward is the exact adjoint: halo gradients go back
+to the ranks that own those slices and are added there. :func:`halo_bytes` gives, from the
+geometry alone, the bytes each rank sends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,8 @@ from torch.autograd.function import once_differentiable
 from torch_tp.conv._geometry import ShardWindow
 
 __all__ = ["halo_bytes", "halo_exchange"]
+
+Count = Union[int, Sequence[int]]  # slices, or slices per hop (nearest rank first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +36,14 @@ class _Neighbours:
     size: int
     left: Optional[int]
     right: Optional[int]
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the rank ``offset`` positions away on the group (``-1``: left)."""
+        if offset == -1 and self.left is not None:
+            return self.left
+        if offset == 1 and self.right is not None:
+            return self.right
+        return dist.get_global_rank(self.group, self.position + offset)
 
 
 def _resolve_neighbours(group: Any, mesh: Any, mesh_dim: Any) -> _Neighbours:
@@ -71,15 +84,29 @@ def _send_recv(
     nb: _Neighbours,
 ) -> None:
     """Send ``to_left``/``to_right`` and fill ``from_left``/``from_right`` (empty ones skipped)."""
+    _transfer({-1: to_left, 1: to_right}, {-1: from_left, 1: from_right}, nb)
+
+
+def _transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> None:
+    """One batch of P2P ops: ``sends[o]`` goes to, and ``recvs[o]`` is filled from, the rank
+    ``o`` positions away (negative: left). Empty tensors are skipped; the ops are ordered by
+    distance, left before right, send before receive (one hop: the neighbours' pattern)."""
     ops = []
-    for peer, send, recv in ((nb.left, to_left, from_left), (nb.right, to_right, from_right)):
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, peer=peer, group=nb.group))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, peer=peer, group=nb.group))
+    for offset in sorted(set(sends) | set(recvs), key=lambda o: (abs(o), o > 0)):
+        for op, tensor in ((dist.isend, sends.get(offset)), (dist.irecv, recvs.get(offset))):
+            if tensor is not None and tensor.numel():
+                ops.append(dist.P2POp(op, tensor, peer=nb.peer(offset), group=nb.group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def _hops(count: Count) -> tuple[int, ...]:
+    """The per-hop split, nearest rank first, of a count: an int (one hop) or a sequence
+    (a :attr:`ShardWindow.hops <torch_tp.conv.ShardWindow.hops>` entry)."""
+    if isinstance(count, int):
+        return (count,) if count else ()
+    return tuple(count)
 
 
 def _empty_slices(like: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -103,58 +130,91 @@ class _HaloExchange(torch.autograd.Function):
 
 
 def _exchange_forward(
-    x_shard: torch.Tensor, dim: int, recv_left: int, recv_right: int, send_left: int, send_right: int,
+    x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
     nb: _Neighbours,
 ) -> torch.Tensor:
-    """The forward exchange on plain tensors (no autograd): ``cat(halo_left, x_shard, halo_right)``."""
+    """The forward exchange on plain tensors (no autograd): ``cat(halo_left, x_shard, halo_right)``.
+
+    Each count is an int (one hop) or split per hop (:func:`_hops`); the halo pieces are
+    concatenated in position order (farthest left rank first).
+    """
     n = x_shard.shape[dim]
-    to_left = x_shard.narrow(dim, 0, send_left).contiguous()
-    to_right = x_shard.narrow(dim, n - send_right, send_right).contiguous()
-    halo_left = _empty_slices(x_shard, dim, recv_left)
-    halo_right = _empty_slices(x_shard, dim, recv_right)
-    _send_recv(to_left, to_right, halo_left, halo_right, nb)
-    return torch.cat([halo_left, x_shard, halo_right], dim=dim)
+    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
+    sends = {-1 - h: x_shard.narrow(dim, 0, c).contiguous() for h, c in enumerate(send_l)}
+    sends.update({1 + h: x_shard.narrow(dim, n - c, c).contiguous() for h, c in enumerate(send_r)})
+    halo_left = [_empty_slices(x_shard, dim, c) for c in recv_l]  # nearest rank first
+    halo_right = [_empty_slices(x_shard, dim, c) for c in recv_r]
+    recvs = {-1 - h: t for h, t in enumerate(halo_left)}
+    recvs.update({1 + h: t for h, t in enumerate(halo_right)})
+    _transfer(sends, recvs, nb)
+    return torch.cat([*halo_left[::-1], x_shard, *halo_right], dim=dim)
 
 
 def _exchange_backward(
-    grad_strip: torch.Tensor, dim: int, recv_left: int, recv_right: int, send_left: int, send_right: int,
-    nb: _Neighbours, n: int,
+    grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
+    send_right: Count, nb: _Neighbours, n: int,
 ) -> torch.Tensor:
     """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
-    grad_halo_left = grad_strip.narrow(dim, 0, recv_left).contiguous()
-    grad_halo_right = grad_strip.narrow(dim, recv_left + n, recv_right).contiguous()
-    grad_prefix = _empty_slices(grad_strip, dim, send_left)
-    grad_suffix = _empty_slices(grad_strip, dim, send_right)
-    _send_recv(grad_halo_left, grad_halo_right, grad_prefix, grad_suffix, nb)
-    grad_x = grad_strip.narrow(dim, recv_left, n).clone()
-    grad_x.narrow(dim, 0, send_left).add_(grad_prefix)
-    grad_x.narrow(dim, n - send_right, send_right).add_(grad_suffix)
+    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
+    left = sum(recv_l)
+    sends, stop = {}, left
+    for h, c in enumerate(recv_l):  # the piece from h + 1 to the left sits just below the nearer ones
+        sends[-1 - h] = grad_strip.narrow(dim, stop - c, c).contiguous()
+        stop -= c
+    start = left + n
+    for h, c in enumerate(recv_r):
+        sends[1 + h] = grad_strip.narrow(dim, start, c).contiguous()
+        start += c
+    recvs = {-1 - h: _empty_slices(grad_strip, dim, c) for h, c in enumerate(send_l)}
+    recvs.update({1 + h: _empty_slices(grad_strip, dim, c) for h, c in enumerate(send_r)})
+    _transfer(sends, recvs, nb)
+    grad_x = grad_strip.narrow(dim, left, n).clone()
+    for h, c in enumerate(send_l):
+        grad_x.narrow(dim, 0, c).add_(recvs[-1 - h])
+    for h, c in enumerate(send_r):
+        grad_x.narrow(dim, n - c, c).add_(recvs[1 + h])
     return grad_x
 
 
-def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, int], nb: _Neighbours) -> int:
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, Count], nb: _Neighbours) -> int:
     """Validate the four counts against the shard and the rank's position; return ``dim`` >= 0."""
     if x_shard.dim() == 0 or not -x_shard.dim() <= dim < x_shard.dim():
         raise ValueError(f"halo_exchange: dim={dim} is out of range for a {x_shard.dim()}-D shard")
     dim %= x_shard.dim()
+    hops = {}
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"halo_exchange: {name} must be an int >= 0, got {value!r}")
+        if not _is_count(value) and not (isinstance(value, (tuple, list)) and all(map(_is_count, value))):
+            raise ValueError(
+                f"halo_exchange: {name} must be an int >= 0, got {value!r} (or a sequence of them: "
+                f"the count per hop, nearest rank first)"
+            )
+        hops[name] = _hops(value)
     n = x_shard.shape[dim]
     for name in ("send_left", "send_right"):
-        if counts[name] > n:
+        if any(c > n for c in hops[name]):
+            shown = counts[name] if len(hops[name]) == 1 else hops[name]
             raise ValueError(
-                f"halo_exchange: {name}={counts[name]} but this rank's shard holds only {n} slices "
-                f"along dim {dim}"
+                f"halo_exchange: {name}={shown} but this rank's shard holds only {n} slices along dim {dim}"
             )
-    edges = (("left", nb.left, "recv_left", "send_left"), ("right", nb.right, "recv_right", "send_right"))
-    for side, peer, recv, send in edges:
-        if peer is None and (counts[recv] or counts[send]):
+    edges = (("left", nb.position, "recv_left", "send_left"),
+             ("right", nb.size - 1 - nb.position, "recv_right", "send_right"))
+    for side, room, recv, send in edges:
+        if room == 0 and (hops[recv] or hops[send]):
             raise ValueError(
                 f"halo_exchange: the rank at position {nb.position} of {nb.size} has no {side} neighbour "
                 f"(nothing wraps around), so {recv} and {send} must be 0, "
-                f"got {counts[recv]} and {counts[send]}"
+                f"got {sum(hops[recv])} and {sum(hops[send])}"
             )
+        for name in (recv, send):
+            if len(hops[name]) > room:
+                raise ValueError(
+                    f"halo_exchange: {name}={hops[name]} reaches {len(hops[name])} ranks to the {side}, but "
+                    f"the rank at position {nb.position} of {nb.size} has only {room} there"
+                )
     return dim
 
 
@@ -162,18 +222,19 @@ def halo_exchange(
     x_shard: torch.Tensor,
     *,
     dim: int,
-    recv_left: int,
-    recv_right: int,
-    send_left: int,
-    send_right: int,
+    recv_left: Count,
+    recv_right: Count,
+    send_left: Count,
+    send_right: Count,
     group: Any = None,
     mesh: Any = None,
     mesh_dim: Any = None,
 ) -> torch.Tensor:
-    """Extend this rank's shard with the border slices of its neighbours' shards along ``dim``.
+    """Extend this rank's shard with the border slices of the shards beside it along ``dim``.
 
     Shapes (along ``dim``; every other dim is unchanged): ``x_shard`` is ``[n]``, the result
     ``[recv_left + n + recv_right]``. Let ``L`` / ``R`` be the left / right neighbour's shard.
+    With one hop (every count an int):
 
     Forward::
 
@@ -192,15 +253,27 @@ def halo_exchange(
         grad_x[:send_left]       += what the left neighbour sends back  ([send_left])
         grad_x[n - send_right:]  += what the right neighbour sends back ([send_right])
 
+    Multi-hop: a count may be a sequence, the slices per hop, nearest rank first.
+    ``recv_left=(2, 1)`` takes the whole shard (2 slices) of the rank 1 to the left and the
+    last slice of the rank 2 to the left, ``halo_left = L2[-1:] ++ L1``; ``send_right=(2, 1)``
+    sends ``x_shard[n - 2:]`` to the rank 1 to the right and ``x_shard[n - 1:]`` to the rank
+    2 to the right (their ``recv_left`` entries for this rank). Every piece goes directly to
+    the rank that needs it, all in one batch of P2P ops; the backward returns each piece's
+    gradient to its owner, which adds the pieces onto its border. A :class:`ShardWindow`
+    gives the four splits as ``window.hops`` (recv_left, recv_right, send_left, send_right).
+
     Saved for backward: no tensors, only the four counts, ``n`` and the neighbours (the
     adjoint is linear and needs no activations). It is once differentiable: the messages are
     not themselves recorded by autograd, so double backward raises instead of being wrong.
 
     Keyword Args:
         dim: the tensor dim the shards are split along.
-        recv_left, recv_right: slices received from the left / right neighbour.
-        send_left, send_right: slices sent to the left / right neighbour; must equal that
-            neighbour's ``recv_right`` / ``recv_left`` (``conv_windows`` gives consistent counts).
+        recv_left, recv_right: slices received from the left / right neighbour; or per hop,
+            a sequence (nearest rank first: every rank's whole shard but the farthest's).
+        send_left, send_right: slices sent to the left / right neighbour (a prefix / suffix
+            of ``x_shard``), or per hop; entry ``h`` must equal entry ``h`` of the matching
+            ``recv_right`` / ``recv_left`` of the rank ``h + 1`` away (``conv_windows``
+            gives consistent counts).
         group: the process group whose ranks, in group order, hold consecutive shards. Or:
         mesh, mesh_dim: a ``DeviceMesh`` and the dim (name or index) the tensor is sharded
             over; the rank's position is its coordinate on that dim, and only ranks of its
@@ -211,8 +284,9 @@ def halo_exchange(
 
     Raises:
         ValueError: negative or non-int counts, sending more slices than the shard holds,
-            a halo on the side of an edge rank that has no neighbour there, ``dim`` out of
-            range, a DTensor instead of its local shard, or not exactly one of ``group`` / ``mesh``.
+            a halo on the side of an edge rank that has no neighbour there (or more hops than
+            there are ranks on that side), ``dim`` out of range, a DTensor instead of its local
+            shard, or not exactly one of ``group`` / ``mesh``.
 
     Example::
 
@@ -227,8 +301,8 @@ def halo_exchange(
     .. note::
         Like a collective, every rank of the group calls it, and if one rank backpropagates
         through it all must (a rank whose loss does not depend on the result still has halo
-        gradients to receive and send: add ``0 * out.sum()``). The counts of neighbouring ranks
-        must agree; a mismatch is not detected locally (the backend fails or hangs until its
+        gradients to receive and send: add ``0 * out.sum()``). The counts of the ranks must
+        agree; a mismatch is not detected locally (the backend fails or hangs until its
         timeout). With NCCL, the first P2P call on a group must involve all of its ranks; a
         rank with nothing to exchange issues no call.
     """
@@ -255,8 +329,9 @@ def halo_bytes(
             ``"backward"`` (it returns the gradients of its halos: ``recv_left + recv_right``).
 
     Returns:
-        ``list[int]`` indexed by the rank's position on the sharded dim. Inner ranks send up to
-        two halos, edge ranks at most one.
+        ``list[int]`` indexed by the rank's position on the sharded dim. With one hop, inner
+        ranks send up to two halos, edge ranks at most one; with multi-hop halos a rank sends
+        a piece to every rank that reads part of its shard (the counts are the totals).
 
     Example:
         >>> from torch_tp.conv import conv_windows
@@ -267,6 +342,13 @@ def halo_bytes(
         [12, 36, 36, 24]
         >>> halo_bytes(windows, slice_numel=3, element_size=4, direction="backward")
         [24, 36, 36, 12]
+        >>> windows = conv_windows(5, 4, kernel_size=7, padding=3)  # shards 2, 2, 1, 0: multi-hop
+        >>> [w.send_ranges for w in windows]  # (to rank, start, stop)
+        [((1, 0, 2), (2, 1, 2)), ((0, 2, 4), (2, 2, 4)), ((0, 4, 5), (1, 4, 5)), ()]
+        >>> halo_bytes(windows, slice_numel=1, element_size=4)
+        [12, 16, 8, 0]
+        >>> halo_bytes(windows, slice_numel=1, element_size=4, direction="backward")
+        [12, 12, 12, 0]
     """
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torch_tp._layouts import shard_bounds
-from torch_tp.conv._geometry import ShardWindow, _own_side
+from torch_tp.conv._geometry import ShardWindow, _chunk_windows
 from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
 from torch_tp.conv.sharded_conv import _bind, _wrap
 
@@ -182,15 +182,8 @@ def _pool_windows(in_size: int, num_ranks: int, out_total: int, *, kernel_size: 
                   padding: int, dilation: int) -> list[ShardWindow]:
     """:func:`~torch_tp.conv.conv_windows` for ``out_total`` outputs (``ceil_mode`` may add one
     whose window runs past the right padding; that part becomes ``pad_right``)."""
-    in_chunks, out_chunks = shard_bounds(in_size, num_ranks), shard_bounds(out_total, num_ranks)
-    span = dilation * (kernel_size - 1)
-    halves = [_own_side(r, in_chunks, out_chunks[r], stride=stride, pad_l=padding, dilation=dilation, span=span)
-              for r in range(num_ranks)]
-    return [
-        ShardWindow(send_left=halves[r - 1]["recv_right"] if r > 0 else 0,
-                    send_right=halves[r + 1]["recv_left"] if r + 1 < num_ranks else 0, **half)
-        for r, half in enumerate(halves)
-    ]
+    return _chunk_windows(shard_bounds(in_size, num_ranks), shard_bounds(out_total, num_ranks), stride=stride,
+                          pad_l=padding, dilation=dilation, span=dilation * (kernel_size - 1))
 
 
 def _windowed_plan(x: DTensor, n: int, params: tuple, out_shape: Sequence[int], what: str) -> _Plan:
@@ -219,7 +212,7 @@ def _windowed_plan(x: DTensor, n: int, params: tuple, out_shape: Sequence[int], 
 def _neighbours(plan: _Plan) -> tuple:
     w = plan.window
     nb = _resolve_neighbours(None, plan.mesh, plan.mesh_dim)
-    return (plan.spatial_dim, w.recv_left, w.recv_right, w.send_left, w.send_right, nb)
+    return (plan.spatial_dim, *w.hops, nb)
 
 
 def _local_input(x_local: torch.Tensor, plan: _Plan, fill: float) -> torch.Tensor:
@@ -320,7 +313,6 @@ def max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
 
     Raises:
         NotImplementedError: sharded on more than one spatial dim, an unsupported placement.
-        ValueError: a halo wider than a neighbour's strip (multi-hop halos are not supported).
         RuntimeError: what torch itself refuses (e.g. padding above half the kernel).
 
     Example:

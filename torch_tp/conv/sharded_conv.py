@@ -2,7 +2,7 @@
 
 The input is a DTensor sharded ``Shard(d)`` on one spatial dim ``d >= 2`` over one mesh dim
 (other mesh dims ``Replicate()`` or ``Shard(0)``: batch), weight and bias replicated. Each rank
-gets from its neighbours on that mesh dim exactly the border slices its outputs read
+gets from the ranks beside it on that mesh dim exactly the border slices its outputs read
 (:func:`~torch_tp.conv.conv_windows`), convolves locally with padding 0 on ``d`` and keeps
 its own chunk of the output, which is therefore a true ``Shard(d)`` of the global output. The
 backward recomputes the strip, runs the local ``convolution_backward`` and sends the halo
@@ -182,7 +182,7 @@ def _wrap(local: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequ
 def _exchange_args(plan: _Plan) -> tuple:
     w = plan.window
     nb = _resolve_neighbours(None, plan.mesh, plan.mesh_dim)
-    return (plan.spatial_dim, w.recv_left, w.recv_right, w.send_left, w.send_right, nb)
+    return (plan.spatial_dim, *w.hops, nb)
 
 
 def _local_input(x_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -239,7 +239,7 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         NotImplementedError: the input sharded on channels or on more than one spatial dim,
             weight or bias not replicated. (A ``Partial`` input is reduced first; a transposed
             convolution goes to :func:`torch_tp.conv.upsample.transposed_convolution_handler`.)
-        ValueError: what :func:`conv_windows` refuses (e.g. a halo wider than a neighbour's shard).
+        ValueError: what :func:`conv_windows` refuses (e.g. an input shorter than the dilated kernel).
 
     Example:
         >>> # xdoctest: +SKIP("needs a process group; install() routes F.conv* on DTensors here")
