@@ -172,11 +172,11 @@ def test_style_arguments():
 def test_applying_the_style_installs_the_handlers_once():
     before = tp_conv.is_installed()
     table = DTensor._op_dispatcher._custom_op_handlers
-    depth = len(tp_conv.sharded_conv._SAVED)
+    depth = len(tp_conv.sharded_conv._TABLE._saved)
     parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
     parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)  # applied again: installed once, not stacked
     after = tp_conv.is_installed()
-    stacked = len(tp_conv.sharded_conv._SAVED) - depth
+    stacked = len(tp_conv.sharded_conv._TABLE._saved) - depth
     handler = table[torch.ops.aten.convolution.default]
     assert (before, after, stacked, handler is tp_conv.convolution_handler) == (False, True, 1, True)
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp.conv import sharded_batch_norm, sharded_conv
+from torch_tp.conv.transposed_conv import transposed_convolution_backward_handler, transposed_convolution_handler
 from torch_tp.conv.upsample import (
     _interpolate,
     _interpolate_adjoint,
@@ -28,8 +29,6 @@ from torch_tp.conv.upsample import (
     install,
     is_installed,
     sharded_upsampling,
-    transposed_convolution_backward_handler,
-    transposed_convolution_handler,
     uninstall,
     upsample_backward_handler,
     upsample_handler,

@@ -14,7 +14,8 @@ handlers (:func:`sharded_batch_norm`), and max / average pooling with halos
 (:func:`sharded_pooling`, :mod:`torch_tp.conv.pooling`), GroupNorm with the whole image's
 statistics (:func:`sharded_group_norm`) and DTensor rules for the activations it lacks
 (:func:`sharded_pointwise`, :mod:`torch_tp.conv.pointwise`), and upsampling and transposed
-convolution on strips (:func:`sharded_upsampling`, :mod:`torch_tp.conv.upsample`).
+convolution on strips (:func:`sharded_upsampling`, :mod:`torch_tp.conv.upsample`,
+:mod:`torch_tp.conv.transposed_conv`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -41,7 +42,8 @@ from torch_tp.conv.sharded_conv import (
     uninstall,
 )
 from torch_tp.conv.spatial import SpatialParallel, check_spatial
-from torch_tp.conv.upsample import sharded_upsampling, transposed_convolution_handler
+from torch_tp.conv.transposed_conv import transposed_convolution_handler
+from torch_tp.conv.upsample import sharded_upsampling
 
 __all__ = [
     "ShardWindow",

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torch_tp.conv._handler_table import HandlerTable
 from torch_tp.conv.sharded_conv import _bind, _wrap
 
 __all__ = [
@@ -364,16 +365,10 @@ def _train_backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Te
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_MISSING = object()
-_HANDLERS = {
+_TABLE = HandlerTable("torch_tp.conv.batch_norm", {
     aten.native_batch_norm.default: batch_norm_handler,
     aten.native_batch_norm_backward.default: batch_norm_backward_handler,
-}
-_SAVED: list[dict] = []  # one entry per install(): the table entries it replaced
-
-
-def _table() -> dict:
-    return DTensor._op_dispatcher._custom_op_handlers
+})
 
 
 def install() -> None:
@@ -391,9 +386,7 @@ def install() -> None:
         >>> batch_norm.is_installed()
         False
     """
-    table = _table()
-    _SAVED.append({op: table.get(op, _MISSING) for op in _HANDLERS})
-    table.update(_HANDLERS)
+    _TABLE.install()
 
 
 def uninstall() -> None:
@@ -413,14 +406,7 @@ def uninstall() -> None:
         >>> table.get(op) is before
         True
     """
-    if not _SAVED:
-        raise RuntimeError("torch_tp.conv.batch_norm.uninstall() without a matching install()")
-    table = _table()
-    for op, previous in _SAVED.pop().items():
-        if previous is _MISSING:
-            table.pop(op, None)
-        else:
-            table[op] = previous
+    _TABLE.uninstall()
 
 
 def is_installed() -> bool:
@@ -434,8 +420,7 @@ def is_installed() -> bool:
         >>> is_installed()
         False
     """
-    table = _table()
-    return all(table.get(op) is handler for op, handler in _HANDLERS.items())
+    return _TABLE.is_installed()
 
 
 @contextlib.contextmanager
@@ -452,8 +437,5 @@ def sharded_batch_norm() -> Iterator[None]:
         >>> is_installed()
         False
     """
-    install()
-    try:
+    with _TABLE.installed():
         yield
-    finally:
-        uninstall()

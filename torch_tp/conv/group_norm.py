@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torch_tp.conv._handler_table import HandlerTable
 from torch_tp.conv.batch_norm import _merge_moments
 from torch_tp.conv.sharded_conv import _bind, _wrap
 
@@ -361,17 +362,12 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_MISSING = object()
-_HANDLERS = {
+_TABLE = HandlerTable("torch_tp.conv.group_norm", {
     aten.native_group_norm.default: group_norm_handler,
     aten.native_group_norm_backward.default: group_norm_backward_handler,
-}
+})
 _UNEVEN_LAYER_NORM_OPS = (aten.native_layer_norm.default, aten.native_layer_norm_backward.default)
-_SAVED: list[tuple[dict, dict]] = []  # one entry per install(): (table entries, strategy infos) it replaced
-
-
-def _table() -> dict:
-    return DTensor._op_dispatcher._custom_op_handlers
+_SAVED_RULES: list[dict] = []  # one entry per install(): the layer-norm strategy infos it replaced
 
 
 def _strategies() -> dict:
@@ -405,10 +401,9 @@ def install() -> None:
         >>> group_norm.is_installed()
         False
     """
-    table, strategies = _table(), _strategies()
-    _SAVED.append(({op: table.get(op, _MISSING) for op in _HANDLERS},
-                   {op: strategies[op] for op in _UNEVEN_LAYER_NORM_OPS if op in strategies}))
-    table.update(_HANDLERS)
+    _TABLE.install()
+    strategies = _strategies()
+    _SAVED_RULES.append({op: strategies[op] for op in _UNEVEN_LAYER_NORM_OPS if op in strategies})
     for op in _UNEVEN_LAYER_NORM_OPS:
         info = strategies.get(op)
         if info is not None and not info.allow_uneven_sharding:
@@ -433,16 +428,8 @@ def uninstall() -> None:
         >>> rules[op] is before
         True
     """
-    if not _SAVED:
-        raise RuntimeError("torch_tp.conv.group_norm.uninstall() without a matching install()")
-    handlers, infos = _SAVED.pop()
-    table, strategies = _table(), _strategies()
-    for op, previous in handlers.items():
-        if previous is _MISSING:
-            table.pop(op, None)
-        else:
-            table[op] = previous
-    strategies.update(infos)
+    _TABLE.uninstall()
+    _strategies().update(_SAVED_RULES.pop())
     _clear_sharding_caches()
 
 
@@ -458,9 +445,7 @@ def is_installed() -> bool:
         >>> is_installed()
         False
     """
-    table = _table()
-    return (all(table.get(op) is handler for op, handler in _HANDLERS.items())
-            and _layer_norm_allows_empty_shards())
+    return _TABLE.is_installed() and _layer_norm_allows_empty_shards()
 
 
 @contextlib.contextmanager

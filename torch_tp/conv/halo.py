@@ -96,6 +96,11 @@ def _transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb
         for op, tensor in ((dist.isend, sends.get(offset)), (dist.irecv, recvs.get(offset))):
             if tensor is not None and tensor.numel():
                 ops.append(dist.P2POp(op, tensor, peer=nb.peer(offset), group=nb.group))
+    _run_p2p(ops)
+
+
+def _run_p2p(ops: list) -> None:
+    """Issue ``ops`` (``dist.P2POp``) as one batch and wait for all of them."""
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

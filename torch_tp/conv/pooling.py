@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torch_tp._layouts import shard_bounds
 from torch_tp.conv._geometry import ShardWindow, _chunk_windows
+from torch_tp.conv._handler_table import HandlerTable
 from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
 from torch_tp.conv.sharded_conv import _bind, _wrap
 
@@ -558,8 +559,7 @@ def _decompose_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return op_call.decompose(*args, **(kwargs or {}))
 
 
-_MISSING = object()
-_HANDLERS = {
+_TABLE = HandlerTable("torch_tp.conv.pooling", {
     **dict.fromkeys([aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default], max_pool_handler),
     **dict.fromkeys([aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default],
                     max_pool_backward_handler),
@@ -571,12 +571,7 @@ _HANDLERS = {
     **dict.fromkeys([aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
                      aten.max_pool1d_with_indices.default, aten.avg_pool1d.default,
                      aten.adaptive_max_pool1d.default], _decompose_handler),
-}
-_SAVED: list[dict] = []  # one entry per install(): the table entries it replaced
-
-
-def _table() -> dict:
-    return DTensor._op_dispatcher._custom_op_handlers
+})
 
 
 def install() -> None:
@@ -594,9 +589,7 @@ def install() -> None:
         >>> pooling.is_installed()
         False
     """
-    table = _table()
-    _SAVED.append({op: table.get(op, _MISSING) for op in _HANDLERS})
-    table.update(_HANDLERS)
+    _TABLE.install()
 
 
 def uninstall() -> None:
@@ -616,14 +609,7 @@ def uninstall() -> None:
         >>> table.get(op) is before
         True
     """
-    if not _SAVED:
-        raise RuntimeError("torch_tp.conv.pooling.uninstall() without a matching install()")
-    table = _table()
-    for op, previous in _SAVED.pop().items():
-        if previous is _MISSING:
-            table.pop(op, None)
-        else:
-            table[op] = previous
+    _TABLE.uninstall()
 
 
 def is_installed() -> bool:
@@ -637,8 +623,7 @@ def is_installed() -> bool:
         >>> is_installed()
         False
     """
-    table = _table()
-    return all(table.get(op) is handler for op, handler in _HANDLERS.items())
+    return _TABLE.is_installed()
 
 
 @contextlib.contextmanager
@@ -655,8 +640,5 @@ def sharded_pooling() -> Iterator[None]:
         >>> is_installed()
         False
     """
-    install()
-    try:
+    with _TABLE.installed():
         yield
-    finally:
-        uninstall()

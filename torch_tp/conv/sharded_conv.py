@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows
+from torch_tp.conv._handler_table import HandlerTable
 from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
 
 __all__ = [
@@ -238,7 +239,7 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     Raises:
         NotImplementedError: the input sharded on channels or on more than one spatial dim,
             weight or bias not replicated. (A ``Partial`` input is reduced first; a transposed
-            convolution goes to :func:`torch_tp.conv.upsample.transposed_convolution_handler`.)
+            convolution goes to :func:`torch_tp.conv.transposed_conv.transposed_convolution_handler`.)
         ValueError: what :func:`conv_windows` refuses (e.g. an input shorter than the dilated kernel).
 
     Example:
@@ -253,8 +254,8 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(
         args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
                        "output_padding", "groups"))
-    if transposed:  # the overlap of neighbouring outputs, the adjoint of the halo: upsample.py
-        from torch_tp.conv.upsample import transposed_convolution_handler
+    if transposed:  # the overlap of neighbouring outputs, the adjoint of the halo: transposed_conv.py
+        from torch_tp.conv.transposed_conv import transposed_convolution_handler
 
         return transposed_convolution_handler(op_call, args, kwargs)
     x = _reduced(x)
@@ -305,7 +306,7 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
                                          "padding", "dilation", "transposed", "output_padding",
                                          "groups", "output_mask"))
     if transposed:
-        from torch_tp.conv.upsample import transposed_convolution_backward_handler
+        from torch_tp.conv.transposed_conv import transposed_convolution_backward_handler
 
         return transposed_convolution_backward_handler(op_call, args, kwargs)
     x = _reduced(x)
@@ -369,16 +370,10 @@ def _bind(args: tuple, kwargs: dict, names: tuple) -> list:
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_MISSING = object()
-_HANDLERS = {
+_TABLE = HandlerTable("torch_tp.conv.sharded_conv", {
     aten.convolution.default: convolution_handler,
     aten.convolution_backward.default: convolution_backward_handler,
-}
-_SAVED: list[dict] = []  # one entry per install(): the table entries it replaced
-
-
-def _table() -> dict:
-    return DTensor._op_dispatcher._custom_op_handlers
+})
 
 
 def install() -> None:
@@ -396,9 +391,7 @@ def install() -> None:
         >>> is_installed()
         False
     """
-    table = _table()
-    _SAVED.append({op: table.get(op, _MISSING) for op in _HANDLERS})
-    table.update(_HANDLERS)
+    _TABLE.install()
 
 
 def uninstall() -> None:
@@ -417,14 +410,7 @@ def uninstall() -> None:
         >>> table[torch.ops.aten.convolution.default] is before
         True
     """
-    if not _SAVED:
-        raise RuntimeError("torch_tp.conv.uninstall() without a matching install()")
-    table = _table()
-    for op, previous in _SAVED.pop().items():
-        if previous is _MISSING:
-            table.pop(op, None)
-        else:
-            table[op] = previous
+    _TABLE.uninstall()
 
 
 def is_installed() -> bool:
@@ -438,8 +424,7 @@ def is_installed() -> bool:
         >>> is_installed()
         False
     """
-    table = _table()
-    return all(table.get(op) is handler for op, handler in _HANDLERS.items())
+    return _TABLE.is_installed()
 
 
 @contextlib.contextmanager
@@ -456,8 +441,5 @@ def sharded_convolution() -> Iterator[None]:
         >>> is_installed()
         False
     """
-    install()
-    try:
+    with _TABLE.installed():
         yield
-    finally:
-        uninstall()

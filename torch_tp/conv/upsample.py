@@ -1,10 +1,10 @@
-"""DTensor handlers for upsampling and transposed convolution on a spatially sharded input.
+"""DTensor handlers for upsampling on a spatially sharded input.
 
 The input is a DTensor sharded ``Shard(d)`` on one spatial dim ``d >= 2`` over one mesh dim
-(other mesh dims ``Replicate()``, ``Shard(0)`` or, for upsampling, ``Shard(1)``). The output is
-a true ``Shard(d)`` of the global output: rank ``r`` owns the outputs the ``torch.chunk`` rule
-gives it on the *output* length, which need not line up with its input strip (uneven and empty
-strips included). So that U-Nets run on spatial shards:
+(other mesh dims ``Replicate()``, ``Shard(0)`` or ``Shard(1)``). The output is a true
+``Shard(d)`` of the global output: rank ``r`` owns the outputs the ``torch.chunk`` rule gives
+it on the *output* length, which need not line up with its input strip (uneven and empty
+strips included). With :mod:`torch_tp.conv.transposed_conv`, so that U-Nets run on spatial shards:
 
 | op | reached by | the handler |
 | --- | --- | --- |
@@ -12,33 +12,23 @@ strips included). So that U-Nets run on spatial shards:
 | ``_upsample_nearest_exact{1,2,3}d.default`` | ``mode="nearest-exact"`` | :func:`upsample_handler` |
 | ``upsample_linear1d``, ``upsample_bilinear2d``, ``upsample_trilinear3d`` (``.default``) | ``mode="linear"/"bilinear"/"trilinear"`` | :func:`upsample_handler` |
 | the ``*_backward.default`` of each | autograd of the above | :func:`upsample_backward_handler` |
-| ``convolution.default``, ``transposed=True`` | ``nn.ConvTranspose*d``, ``F.conv_transpose*d`` | :func:`transposed_convolution_handler` |
-| ``convolution_backward.default``, ``transposed=True`` | autograd of the above | :func:`transposed_convolution_backward_handler` |
 
 Only the ``.default`` overloads reach DTensor (the ``.vec`` ones decompose before it). Without
 these handlers DTensor all-gathers the input for an upsample (right values, but a replicated
-output and input gradient), and a transposed convolution fails with a shape error.
+output and input gradient).
 
-Upsampling: along each spatial dim output ``j`` reads one input (nearest: ``floor(j * scale)``)
-or two (linear: ``i0 = floor(src)``, ``i1 = i0 + 1`` with weights ``1 - t`` and ``t``, ``src``
-from ``align_corners``), computed with aten's own formulas and precision. Each rank receives
-from whichever ranks hold them exactly the input slices its output chunk reads, then applies
-the interpolation as ``index_select`` (+ lerp) dim by dim, last dim first, as the CPU kernel
-nests them. The backward is the exact adjoint: ``index_add`` along each dim, then every
-received slice's gradient goes back to its owner and is added there.
-
-Transposed convolution: input ``i`` adds to outputs ``i * stride - padding + k * dilation``.
-Each rank runs the local transposed convolution of its strip (padding 0 on ``d``), cuts what
-falls in the padding, sends each rank the part that lands in its output chunk and sums what
-it receives (the adjoint of the convolution's halo exchange), then adds the bias. The backward
-gathers the gradient over the strip's reach (the forward exchange), and the local
-``convolution_backward`` gives the input gradient with no further exchange. Weight and bias
-gradients come back ``Partial()`` over every mesh dim the input is sharded on.
+Along each spatial dim output ``j`` reads one input (nearest: ``floor(j * scale)``) or two
+(linear: ``i0 = floor(src)``, ``i1 = i0 + 1`` with weights ``1 - t`` and ``t``, ``src`` from
+``align_corners``), computed with aten's own formulas and precision. Each rank receives from
+whichever ranks hold them exactly the input slices its output chunk reads
+(:mod:`torch_tp.conv._ranges`), then applies the interpolation as ``index_select`` (+ lerp)
+dim by dim, last dim first, as the CPU kernel nests them. The backward is the exact adjoint:
+``index_add`` along each dim, then every received slice's gradient goes back to its owner and
+is added there.
 
 Nothing is installed on import: :func:`install` / :func:`uninstall` / :func:`sharded_upsampling`
 put the upsample handlers into DTensor's custom op table and restore exactly the entries that
-were there before. Transposed convolution goes through ``aten.convolution``, whose entry belongs
-to :mod:`torch_tp.conv.sharded_conv`: its handler routes ``transposed=True`` calls here.
+were there before.
 
 Example::
 
@@ -56,120 +46,23 @@ import dataclasses
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp._layouts import shard_bounds
-from torch_tp.conv.sharded_conv import _bind, _check_replicated, _expand, _spatial_shard, _wrap
+from torch_tp.conv._handler_table import HandlerTable
+from torch_tp.conv._ranges import _gather, _Ranges, _ranges, _scatter_add, _slices
+from torch_tp.conv.sharded_conv import _bind, _wrap
 
 __all__ = [
     "install",
     "is_installed",
     "sharded_upsampling",
-    "transposed_convolution_backward_handler",
-    "transposed_convolution_handler",
     "uninstall",
     "upsample_backward_handler",
     "upsample_handler",
 ]
 
 aten = torch.ops.aten
-
-
-# --------------------------------------------------------------------------------------------
-# Moving exact index ranges between the ranks of one mesh dim
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ranges:
-    """Who holds and who reads which global positions along the sharded dim.
-
-    ``bounds[q]`` is the ``[start, stop)`` rank ``q`` holds (``torch.chunk`` rule), ``needs[q]``
-    the ``[lo, hi)`` it reads (``lo == hi``: nothing). :func:`_gather` assembles ``needs`` from
-    the holders, wherever they sit on the mesh dim; :func:`_scatter_add` is its exact adjoint.
-    """
-
-    bounds: tuple
-    needs: tuple
-    position: int
-    group: Any
-    peers: tuple  # global rank of each position
-
-
-def _ranges(mesh: Any, mesh_dim: int, bounds: Sequence, needs: Sequence) -> _Ranges:
-    group = mesh.get_group(mesh_dim)
-    peers = tuple(dist.get_global_rank(group, q) for q in range(mesh.size(mesh_dim)))
-    return _Ranges(tuple(bounds), tuple(needs), mesh.get_local_rank(mesh_dim), group, peers)
-
-
-def _overlap(a: tuple, b: tuple) -> tuple[int, int]:
-    return max(a[0], b[0]), min(a[1], b[1])
-
-
-def _slices(like: torch.Tensor, dim: int, count: int, fill: Optional[float] = None) -> torch.Tensor:
-    shape = list(like.shape)
-    shape[dim] = count
-    return like.new_empty(shape) if fill is None else like.new_full(shape, fill)
-
-
-def _run_p2p(ops: list) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def _gather(shard: torch.Tensor, dim: int, rg: _Ranges) -> torch.Tensor:
-    """This rank's ``needs`` slice ``[lo, hi)`` along ``dim``, from the ranks that hold it."""
-    me, (start, stop), (lo, hi) = rg.position, rg.bounds[rg.position], rg.needs[rg.position]
-    assert shard.shape[dim] == stop - start, (shard.shape, dim, rg.bounds)
-    strip = _slices(shard, dim, hi - lo)
-    ops, received = [], []
-    for q, peer in enumerate(rg.peers):
-        s0, s1 = _overlap((start, stop), rg.needs[q])
-        if q != me and s1 > s0:
-            piece = shard.narrow(dim, s0 - start, s1 - s0).contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, peer=peer, group=rg.group))
-        r0, r1 = _overlap(rg.bounds[q], (lo, hi))
-        if r1 <= r0:
-            continue
-        if q == me:
-            strip.narrow(dim, r0 - lo, r1 - r0).copy_(shard.narrow(dim, r0 - start, r1 - r0))
-        else:
-            buf = _slices(shard, dim, r1 - r0)
-            ops.append(dist.P2POp(dist.irecv, buf, peer=peer, group=rg.group))
-            received.append((r0, buf))
-    _run_p2p(ops)
-    for r0, buf in received:
-        strip.narrow(dim, r0 - lo, buf.shape[dim]).copy_(buf)
-    return strip
-
-
-def _scatter_add(strip: torch.Tensor, dim: int, rg: _Ranges) -> torch.Tensor:
-    """The adjoint of :func:`_gather`: each slice of ``strip`` (this rank's ``needs``) goes to
-    its holder, and every rank returns the sum of what lands in its own ``bounds``."""
-    me, (start, stop), (lo, hi) = rg.position, rg.bounds[rg.position], rg.needs[rg.position]
-    assert strip.shape[dim] == hi - lo, (strip.shape, dim, rg.needs)
-    out = _slices(strip, dim, stop - start, fill=0)
-    ops, received = [], []
-    for q, peer in enumerate(rg.peers):
-        r0, r1 = _overlap(rg.bounds[q], (lo, hi))
-        if r1 > r0:
-            piece = strip.narrow(dim, r0 - lo, r1 - r0)
-            if q == me:
-                out.narrow(dim, r0 - start, r1 - r0).add_(piece)
-            else:
-                ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer=peer, group=rg.group))
-        s0, s1 = _overlap((start, stop), rg.needs[q])
-        if q != me and s1 > s0:
-            buf = _slices(strip, dim, s1 - s0)
-            ops.append(dist.P2POp(dist.irecv, buf, peer=peer, group=rg.group))
-            received.append((s0, buf))
-    _run_p2p(ops)
-    for s0, buf in received:
-        out.narrow(dim, s0 - start, buf.shape[dim]).add_(buf)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,218 +341,13 @@ def upsample_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTenso
 
 
 # --------------------------------------------------------------------------------------------
-# Transposed convolution: local contributions, summed by the owners of the output chunks
-# --------------------------------------------------------------------------------------------
-
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
-              "groups")
-_CONV_BACKWARD_ARGS = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation",
-                       "transposed", "output_padding", "groups", "output_mask")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Transposed:
-    """A transposed convolution's parameters, its global output shape and the spatial shard."""
-
-    mesh: Any
-    placements: tuple
-    dim: Optional[int]
-    mesh_dim: Optional[int]
-    stride: list
-    padding: list
-    dilation: list
-    output_padding: list
-    groups: int
-    in_size: Optional[int]  # global input length along the sharded dim
-    out_shape: list
-
-    def local_params(self) -> tuple:
-        """stride, padding, dilation, output_padding of the local op: 0 padding on the shard."""
-        padding, output_padding = list(self.padding), list(self.output_padding)
-        padding[self.dim - 2] = output_padding[self.dim - 2] = 0
-        return self.stride, padding, self.dilation, output_padding
-
-    def geometry(self, k: int) -> tuple[_Ranges, int, int]:
-        """The output ranges each rank's inputs reach (clipped to the output) as a :class:`_Ranges`
-        over the output chunks, and where this rank's local output starts and ends."""
-        i = self.dim - 2
-        s, p, dil, n_out = self.stride[i], self.padding[i], self.dilation[i], self.out_shape[self.dim]
-        size = self.mesh.size(self.mesh_dim)
-        reach, spans = [], []
-        for i0, i1 in shard_bounds(self.in_size, size):
-            start, stop = i0 * s - p, (i1 - 1) * s - p + dil * (k - 1) + 1
-            lo, hi = max(start, 0), min(stop, n_out)
-            reach.append((lo, hi) if i1 > i0 and hi > lo else (0, 0))
-            spans.append((start, stop))
-        rg = _ranges(self.mesh, self.mesh_dim, shard_bounds(n_out, size), reach)
-        return rg, *spans[rg.position]
-
-
-def _without_partials(x: Any) -> Any:
-    """A partial-sum input reduced first (as :mod:`~torch_tp.conv.sharded_conv` does): the
-    convolution of the whole value, its gradient replicated on those mesh dims."""
-    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
-        return x
-    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
-
-
-def _transposed(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: Any,
-                output_padding: Any, groups: int) -> _Transposed:
-    if not transposed:
-        raise ValueError("transposed_convolution_handler takes transposed=True calls only; "
-                         "torch_tp.conv.sharded_conv.convolution_handler takes the others")
-    if not isinstance(x, DTensor):
-        raise NotImplementedError(f"sharded transposed convolution needs the input as a DTensor, got "
-                                  f"a plain {type(x).__name__}")
-    mesh = x.device_mesh
-    _check_replicated(weight, mesh, "weight")
-    _check_replicated(bias, mesh, "bias")
-    d, mesh_dim = _spatial_shard(x)
-    n = x.ndim - 2
-    stride, padding, dilation, output_padding = (
-        _expand(v, n, name) for v, name in ((stride, "stride"), (padding, "padding"),
-                                            (dilation, "dilation"), (output_padding, "output_padding")))
-    spatial = [(x.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[2 + i] - 1)
-               + output_padding[i] + 1 for i in range(n)]
-    out_shape = [x.shape[0], weight.shape[1] * groups, *spatial]
-    return _Transposed(mesh, tuple(x.placements), d, mesh_dim, stride, padding, dilation, output_padding,
-                       groups, x.shape[d] if d is not None else None, out_shape)
-
-
-def _reduced(placements: tuple) -> list:
-    return [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
-
-
-def transposed_convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
-    """DTensor handler for ``aten.convolution.default`` with ``transposed=True``.
-
-    ``args`` as for :func:`~torch_tp.conv.sharded_conv.convolution_handler`. Returns a DTensor
-    with the input's placements and the global output shape; with a spatial ``Shard(d)``, this
-    rank's ``torch.chunk`` piece of the output along ``d``: the sum of every rank's
-    contributions to it (each rank sends the others the parts of its local transposed
-    convolution that land in their chunks), plus the bias.
-
-    A ``Partial`` input is reduced first, as the ordinary handler does.
-
-    Raises:
-        ValueError: ``transposed=False`` (that is the ordinary handler's).
-        NotImplementedError: as the ordinary handler (channel or two spatial shards, weight or
-            bias not replicated).
-
-    Example:
-        >>> # xdoctest: +SKIP("needs a process group; sharded_conv routes transposed=True here")
-        >>> x = distribute_tensor(torch.randn(2, 4, 6, 10), mesh, [Shard(3)])   # width on 4 ranks
-        >>> w = distribute_tensor(torch.randn(4, 2, 2, 2), mesh, [Replicate()])
-        >>> y = transposed_convolution_handler(
-        ...     aten.convolution.default, (x, w, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1), {})
-        >>> y.placements, y.shape, y.to_local().shape                            # rank 3 of 4
-        ((Shard(dim=3),), torch.Size([2, 2, 12, 20]), torch.Size([2, 2, 12, 5]))
-    """
-    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(args, kwargs, _CONV_ARGS)
-    x = _without_partials(x)
-    tc = _transposed(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-    x_local, w_local = x.to_local(), weight.to_local()
-    b_local = bias.to_local() if bias is not None else None
-    if tc.dim is None:
-        out = aten.convolution.default(x_local, w_local, b_local, tc.stride, tc.padding, tc.dilation, True,
-                                       tc.output_padding, groups)
-        return _wrap(out, tc.mesh, tc.placements, tc.out_shape)
-    d = tc.dim
-    rg, start, _stop = tc.geometry(weight.shape[d])
-    lo, hi = rg.needs[rg.position]
-    if hi > lo:
-        stride, padding, dilation, output_padding = tc.local_params()
-        full = aten.convolution.default(x_local, w_local, None, stride, padding, dilation, True,
-                                        output_padding, groups)
-        piece = full.narrow(d, lo - start, hi - lo)
-    else:
-        piece = x_local.new_empty([x_local.shape[0], *tc.out_shape[1:d], 0, *tc.out_shape[d + 1:]])
-    out = _scatter_add(piece, d, rg)  # every rank exchanges, contributions or not
-    if b_local is not None:
-        out = out + b_local.view([1, -1] + [1] * (out.ndim - 2))
-    return _wrap(out, tc.mesh, tc.placements, tc.out_shape)
-
-
-def transposed_convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
-    """DTensor handler for ``aten.convolution_backward.default`` with ``transposed=True``.
-
-    ``args`` as for :func:`~torch_tp.conv.sharded_conv.convolution_backward_handler`. Returns
-    ``(grad_input, grad_weight, grad_bias)``: ``grad_input`` with the input's placements, the
-    other two ``Partial()`` over every mesh dim the input is sharded on; ``None`` where
-    ``output_mask`` says so. With a spatial shard each rank gathers the output gradient over
-    the positions its strip reaches (the adjoint of the forward's sums); its input gradient
-    then needs no exchange. The bias gradient sums the rank's own output chunk only.
-
-    Example:
-        >>> # xdoctest: +SKIP("needs a process group; autograd calls it for a DTensor ConvTranspose")
-        >>> gi, gw, gb = transposed_convolution_backward_handler(
-        ...     aten.convolution_backward.default,
-        ...     (grad_y, x, w, [2], [2, 2], [0, 0], [1, 1], True, [0, 0], 1, [True, True, True]), {})
-        >>> gi.placements, gw.placements, gb.placements
-        ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
-    """
-    (grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-     output_mask) = _bind(args, kwargs, _CONV_BACKWARD_ARGS)
-    x = _without_partials(x)
-    tc = _transposed(x, weight, None, stride, padding, dilation, transposed, output_padding, groups)
-    if not isinstance(grad_out, DTensor):
-        raise NotImplementedError("sharded transposed convolution backward needs grad_output as a DTensor")
-    if tuple(grad_out.placements) != tc.placements or grad_out.device_mesh != tc.mesh:
-        grad_out = grad_out.redistribute(tc.mesh, tc.placements)
-    mask = list(output_mask)
-    x_local, w_local, go_local = x.to_local(), weight.to_local(), grad_out.to_local()
-    if tc.dim is None:
-        gi, gw, gb = aten.convolution_backward.default(
-            go_local, x_local, w_local, bias_sizes, tc.stride, tc.padding, tc.dilation, True,
-            tc.output_padding, groups, mask)
-    else:
-        gi, gw = _sharded_transposed_grads(tc, go_local, x_local, w_local, weight.shape[tc.dim], mask)
-        gb = go_local.sum([0, *range(2, go_local.ndim)]) if mask[2] else None
-    reduced = _reduced(tc.placements)
-    return (
-        _wrap(gi, tc.mesh, tc.placements, x.shape) if mask[0] else None,
-        _wrap(gw, tc.mesh, reduced, weight.shape) if mask[1] else None,
-        _wrap(gb, tc.mesh, reduced, gb.shape) if mask[2] else None,
-    )
-
-
-def _sharded_transposed_grads(tc: _Transposed, go_local: torch.Tensor, x_local: torch.Tensor,
-                              w_local: torch.Tensor, k: int, mask: list) -> tuple:
-    """``(grad_input, grad_weight)`` of the local strip from the output gradient over its reach."""
-    if not (mask[0] or mask[1]):
-        return None, None
-    d = tc.dim
-    rg, start, stop = tc.geometry(k)
-    lo, hi = rg.needs[rg.position]
-    reach = _gather(go_local, d, rg)
-    if x_local.shape[d] == 0:
-        return torch.zeros_like(x_local) if mask[0] else None, torch.zeros_like(w_local) if mask[1] else None
-    pads = [0, 0] * (go_local.ndim - 1 - d)
-    if hi > lo:
-        go_full = F.pad(reach, pads + [lo - start, stop - hi])
-    else:
-        go_full = _slices(go_local, d, stop - start, fill=0)
-    stride, padding, dilation, output_padding = tc.local_params()
-    gi, gw, _ = aten.convolution_backward.default(
-        go_full, x_local, w_local, None, stride, padding, dilation, True, output_padding, tc.groups,
-        [mask[0], mask[1], False])
-    return gi, gw
-
-
-# --------------------------------------------------------------------------------------------
 # Installation (the upsample ops; transposed convolution shares aten.convolution's entry)
 # --------------------------------------------------------------------------------------------
 
-_MISSING = object()
-_HANDLERS = {
+_TABLE = HandlerTable("torch_tp.conv.upsample", {
     **{op: upsample_handler for op in _UPSAMPLE},
     **{op: upsample_backward_handler for op in _UPSAMPLE_BACKWARD},
-}
-_SAVED: list[dict] = []  # one entry per install(): the table entries it replaced
-
-
-def _table() -> dict:
-    return DTensor._op_dispatcher._custom_op_handlers
+})
 
 
 def install() -> None:
@@ -677,9 +365,7 @@ def install() -> None:
         >>> upsample.is_installed()
         False
     """
-    table = _table()
-    _SAVED.append({op: table.get(op, _MISSING) for op in _HANDLERS})
-    table.update(_HANDLERS)
+    _TABLE.install()
 
 
 def uninstall() -> None:
@@ -699,14 +385,7 @@ def uninstall() -> None:
         >>> table.get(op) is before
         True
     """
-    if not _SAVED:
-        raise RuntimeError("torch_tp.conv.upsample.uninstall() without a matching install()")
-    table = _table()
-    for op, previous in _SAVED.pop().items():
-        if previous is _MISSING:
-            table.pop(op, None)
-        else:
-            table[op] = previous
+    _TABLE.uninstall()
 
 
 def is_installed() -> bool:
@@ -720,8 +399,7 @@ def is_installed() -> bool:
         >>> is_installed()
         False
     """
-    table = _table()
-    return all(table.get(op) is handler for op, handler in _HANDLERS.items())
+    return _TABLE.is_installed()
 
 
 @contextlib.contextmanager
@@ -738,8 +416,5 @@ def sharded_upsampling() -> Iterator[None]:
         >>> is_installed()
         False
     """
-    install()
-    try:
+    with _TABLE.installed():
         yield
-    finally:
-        uninstall()
