@@ -33,7 +33,6 @@ from torch_tp.testing import (
     assert_comm_counts,
     assert_params_and_grads_match,
     comm_counts,
-    local_chunk,
     mesh_2x2,
     on_ranks,
     tp_mesh,
