@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
 from torch_tp.conv import batch_norm as sharded_batch_norm
 from torch_tp.conv import group_norm as sharded_group_norm
+from torch_tp.conv import padding as sharded_padding
 from torch_tp.conv import pointwise as sharded_pointwise
 from torch_tp.conv import pooling as sharded_pooling
 from torch_tp.conv import upsample as sharded_upsample
@@ -441,6 +442,8 @@ def _install_handlers(module: nn.Module | None) -> None:
     """The op handlers ``module`` needs (every one, for a region), installed once and left installed."""
     if (module is None or isinstance(module, SPATIAL_CONVS)) and not sharded_conv.is_installed():
         sharded_conv.install()
+    if (module is None or isinstance(module, SPATIAL_CONVS)) and not sharded_padding.is_installed():
+        sharded_padding.install()  # an even kernel's padding="same" pads the strip: keep it sharded
     if (module is None or isinstance(module, SPATIAL_BATCHNORMS)) and not sharded_batch_norm.is_installed():
         sharded_batch_norm.install()  # its handlers read the module's plain running statistics
     if (module is None or isinstance(module, SPATIAL_GROUPNORMS)) and not sharded_group_norm.is_installed():
