@@ -50,6 +50,20 @@ Columns:
                     rounds first; then each round runs both variants, in an order rotated
                     every round; a barrier precedes each timed step; GC is off while timing.
 ``AG/halo ms``      ``AG ms / halo ms`` (above 1: the halo path is faster).
+
+A second table measures the forward's *exposed halo time*: the time rank 0 is blocked waiting
+for its halos (``_HalosInFlight.wait``, timed around the call), in two forwards per round (no
+autograd), interleaved:
+
+``serial ms``, ``overlap ms``   median wall time of the DTensor forward with
+                    ``halo_overlap(False)`` (wait for the halos, then convolve the strip) and
+                    with the default ``halo_overlap(True)`` (the interior columns, those no halo
+                    reaches, convolve while the halos are in flight; the borders after).
+``waited serial``, ``waited overlap``   median ms blocked waiting for the halos: with the
+                    overlap off that is the whole exchange; with it on, what the interior's
+                    compute did not cover.
+``hidden``          ``1 - waited overlap / waited serial``: the share of the exposed halo time
+                    the overlap removes.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +81,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from torch_tp.conv import conv_windows, halo_bytes, sharded_convolution
+from torch_tp.conv import conv_windows, halo_bytes, halo_overlap, sharded_convolution
+from torch_tp.conv import halo as halo_module
 from torch_tp.launch import rank_device
 from torch_tp.testing import record_p2p, sent_bytes
 
@@ -190,6 +206,43 @@ def gather_step(case: Case, leaves) -> torch.Tensor:
     return own.detach()
 
 
+def forward_step(case: Case, leaves, overlap: bool) -> None:
+    """The sharded forward alone, with the halo overlap on or off."""
+    with torch.no_grad(), sharded_convolution(), halo_overlap(overlap):
+        F.conv2d(*leaves, **case.kwargs())
+
+
+class WaitClock:
+    """Seconds spent blocked in the halo exchange's ``wait`` (every forward exchange's)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._wait = halo_module._HalosInFlight.wait
+
+    def __enter__(self) -> "WaitClock":
+        clock, wait = self, self._wait
+
+        def timed_wait(flight):
+            start = time.perf_counter()
+            try:
+                return wait(flight)
+            finally:
+                clock.seconds += time.perf_counter() - start
+
+        halo_module._HalosInFlight.wait = timed_wait
+        return self
+
+    def __exit__(self, *exc) -> None:
+        halo_module._HalosInFlight.wait = self._wait
+
+
+def timed_forward(case: Case, leaves, overlap: bool, waits: list[float]) -> None:
+    """:func:`forward_step`, recording the seconds blocked on the halos in ``waits``."""
+    with WaitClock() as clock:
+        forward_step(case, leaves, overlap)
+    waits.append(clock.seconds)
+
+
 def check_agreement(case: Case, halo, gather) -> None:
     """Both variants' output chunk and input-gradient shard equal the single-process conv's."""
     rank, world = case.mesh.get_local_rank(), case.mesh.size()
@@ -231,6 +284,12 @@ def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
 
     steps = {"halo": lambda: halo_step(case, halo), "all-gather": lambda: gather_step(case, gather)}
     times = time_interleaved(steps, config.iters, config.warmup)
+    waits: dict[str, list[float]] = {"serial": [], "overlap": []}
+    forwards = {
+        "serial": lambda: timed_forward(case, halo, False, waits["serial"]),
+        "overlap": lambda: timed_forward(case, halo, True, waits["overlap"]),
+    }
+    forward_times = time_interleaved(forwards, config.iters, config.warmup)
     input_bytes = x.numel() * x.element_size()
     return {
         "world": world,
@@ -241,6 +300,8 @@ def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
         "ag_total": 2 * input_bytes * (world - 1) // world,
         "halo_s": [wall for wall, _ in times["halo"]],
         "gather_s": [wall for wall, _ in times["all-gather"]],
+        "forward_s": {k: [wall for wall, _ in v] for k, v in forward_times.items()},
+        "waited_s": {k: v[-config.iters:] for k, v in waits.items()},  # the timed rounds
     }
 
 
@@ -277,6 +338,19 @@ def table_cells(row: dict) -> tuple[str, ...]:
     )
 
 
+OVERLAP_COLUMNS = ("world", "conv", "serial ms", "overlap ms", "waited serial", "waited overlap", "hidden")
+
+
+def overlap_cells(row: dict) -> tuple[str, ...]:
+    serial, overlap = (statistics.median(row["forward_s"][k]) * 1e3 for k in ("serial", "overlap"))
+    waited_serial, waited_overlap = (statistics.median(row["waited_s"][k]) * 1e3 for k in ("serial", "overlap"))
+    hidden = 1 - waited_overlap / waited_serial if waited_serial > 0 else float("nan")
+    return (
+        str(row["world"]), row["conv"], f"{serial:.2f}", f"{overlap:.2f}", f"{waited_serial:.3f}",
+        f"{waited_overlap:.3f}", f"{hidden:.2f}",
+    )
+
+
 def format_report(rows: list[dict], options: argparse.Namespace, config: Config) -> str:
     backend = "nccl" if rank_device().type == "cuda" else "gloo"
     n, c, h, w = config.image
@@ -287,6 +361,10 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
         f"sharded Shard(3) on width",
         "",
         markdown_table(COLUMNS, [table_cells(row) for row in rows]),
+        "",
+        "Exposed halo time of the forward (rank 0, median ms blocked on the halos; no autograd):",
+        "",
+        markdown_table(OVERLAP_COLUMNS, [overlap_cells(row) for row in rows]),
     ])
 
 

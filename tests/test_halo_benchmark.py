@@ -19,14 +19,25 @@ COLUMNS = [
     "world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",
     "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms",
 ]
+OVERLAP_COLUMNS = ["world", "conv", "serial ms", "overlap ms", "waited serial", "waited overlap", "hidden"]
 QUICK_CONVS = {"k3 s1 d1 p1", "k7 s1 d1 p3", "k5 s2 d2 p4"}
 
 
+def _tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table in ``text``, each as {column: cell} rows (header under ``__header__``)."""
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif block:
+            header, _separator, *rows = block
+            tables.append([dict(zip(header, row)) | {"__header__": header} for row in rows])
+            block = []
+    return tables
+
+
 def _table(text: str) -> list[dict[str, str]]:
-    """The first Markdown table in ``text``, as {column: cell} rows (header under ``__header__``)."""
-    block = [line for line in text.splitlines() if line.startswith("|")]
-    header, _separator, *rows = ([c.strip() for c in line.strip().strip("|").split("|")] for line in block)
-    return [dict(zip(header, row)) | {"__header__": header} for row in rows]
+    return _tables(text)[0]
 
 
 def _per_rank(cell: str) -> list[float]:
@@ -57,3 +68,12 @@ def test_quick_halo_benchmark_prints_the_table_with_exact_halo_bytes():
             assert fwd[1:-1] == [2 * fwd[0]] * (world - 2) and fwd[0] == fwd[-1] > 0, (row, out)
         for column in ("halo ms", "AG ms"):
             assert float(row[column]) > 0, (row, out)
+    # the forward's exposed halo time, overlap off and on: every cell measured, the share hidden computed
+    overlap = _tables(out)[1]
+    assert overlap[0]["__header__"] == OVERLAP_COLUMNS, out
+    assert [(r["world"], r["conv"]) for r in overlap] == [(r["world"], r["conv"]) for r in rows], out
+    for row in overlap:
+        waited = float(row["waited serial"]), float(row["waited overlap"])
+        assert float(row["serial ms"]) > 0 and float(row["overlap ms"]) > 0 and min(waited) >= 0, (row, out)
+        if waited[0] >= 0.05:  # the cells are rounded to 0.001 ms
+            assert float(row["hidden"]) == pytest.approx(1 - waited[1] / waited[0], abs=0.05), (row, out)

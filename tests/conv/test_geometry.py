@@ -108,8 +108,27 @@ def _simulate(x, weight, windows, *, stride, dilation):
             continue
         piece = F.conv1d(local, weight, stride=stride, dilation=dilation)
         assert piece.shape[-1] == w.out_size, (w, piece.shape)
+        _check_interior(local, weight, piece, w, stride=stride, dilation=dilation)
         pieces.append(piece)
     return torch.cat(pieces, dim=-1)
+
+
+def _check_interior(local, weight, piece, w, *, stride, dilation):
+    """The interior outputs, computed with every halo position poisoned (NaN), equal the
+    strip's; and the interior is maximal: the outputs just outside it span a halo position."""
+    span = dilation * (weight.shape[-1] - 1)
+    a, b = w.halo_free_span()
+    j0, j1 = w.interior_outputs(stride, span)
+    poisoned = local.clone()
+    poisoned[..., :a] = float("nan")
+    poisoned[..., b:] = float("nan")
+    if j1 > j0:
+        window = poisoned[..., j0 * stride : (j1 - 1) * stride + span + 1]
+        assert torch.equal(F.conv1d(window, weight, stride=stride, dilation=dilation), piece[..., j0:j1]), w
+    if j0 > 0:
+        assert (j0 - 1) * stride < a, w
+    if j1 < w.out_size:
+        assert j1 * stride + span >= b, w
 
 
 def _check_case(x, weight, *, num_ranks, stride, padding, dilation):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch_tp.conv import conv_windows, halo_bytes, install, sharded_convolution, uninstall
+from torch_tp.conv import conv_windows, halo_bytes, halo_overlap, install, sharded_convolution, sharded_padding, uninstall
 from torch_tp.testing import mesh_2x2, on_ranks, record_p2p, run_on_ranks, tp_mesh, world_sizes
 
 aten = torch.ops.aten
@@ -107,7 +107,7 @@ def _run_sharded(mesh, placements, case, x, w, b, kwargs, grad):
     dx = _local(x, mesh, placements).requires_grad_()
     dw = _local(w, mesh, [Replicate()] * mesh.ndim).requires_grad_()
     db = _local(b, mesh, [Replicate()] * mesh.ndim).requires_grad_()
-    with sharded_convolution():
+    with sharded_convolution(), sharded_padding():
         y = _CONV[case[0]](dx, dw, db, **kwargs)
         y.backward(_local(grad, mesh, y.placements))
     return y, dx.grad, dw.grad, db.grad
@@ -151,11 +151,6 @@ def _groups(cases, size):
 def _check_placements(cases, results, mesh_kind):
     for case, (out_placements, grad_placements, *_rest) in zip(cases, results, strict=True):
         sharded = case[1]
-        even_kernel_same = case[5] == "same" and case[3] % 2 == 0
-        if even_kernel_same:
-            # torch pads an even kernel's "same" asymmetrically with constant_pad_nd before the
-            # convolution; DTensor's pad replicates the sharded dim, so the conv sees Replicate.
-            continue
         expected = (Shard(sharded),) if mesh_kind == "1d" else (Shard(0), Shard(sharded))
         assert out_placements == expected, (case, out_placements)
         assert grad_placements == expected, (case, grad_placements)
@@ -182,7 +177,8 @@ def test_2x2_mesh_matches_1d_mesh(world_size):
     cases = _mesh_compare_cases()
     on_2x2 = run_on_ranks(_grid_task, 4, cases, "2x2", 0, True, timeout=120)
     _check_placements(cases, on_2x2[0], "2x2")
-    # same cases on a 1-D mesh of 2 ranks (the tp size of the 2x2 mesh), batch 3 for equality
+    # same cases on a 1-D mesh of 2 ranks (the tp size of the 2x2 mesh), batch 3 for equality;
+    # the halo overlap is on for the 2x2 runs and off for these
     on_1d = run_on_ranks(_one_d_batch3_task, 2, cases, timeout=120)
     for case, a, b in zip(cases, on_2x2[0], on_1d[0], strict=True):
         for got_2x2, got_1d in zip(a[2:], b, strict=True):
@@ -190,6 +186,12 @@ def test_2x2_mesh_matches_1d_mesh(world_size):
 
 
 def _one_d_batch3_task(cases):
+    """The 1-D run, with the halo overlap off: the two code paths must agree exactly."""
+    with halo_overlap(False):
+        return _one_d_batch3_results(cases)
+
+
+def _one_d_batch3_results(cases):
     out = []
     for n, case in enumerate(cases):
         x, w, b, kwargs = _case_tensors(case, 3, n)

@@ -15,12 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-import torch_tp.conv as tp_conv
-import torch_tp.conv.batch_norm as tp_batch_norm
-import torch_tp.conv.group_norm as tp_group_norm
-import torch_tp.conv.pooling as tp_pooling
-import torch_tp.conv.upsample as tp_upsample
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
+from torch_tp.conv.spatial import _handlers_left_as_found
 from torch_tp.models import cnn
 from torch_tp.testing import assert_params_and_grads_match, local_chunk, on_ranks, tp_mesh
 
@@ -28,21 +24,13 @@ F64 = dict(rtol=1e-7, atol=1e-9)  # float64: summation order only
 CLASSIFIERS = ["resnet", "convnext", "efficientnet"]
 
 
-_HANDLERS = (tp_conv, tp_batch_norm, tp_group_norm, tp_pooling, tp_upsample)
-
-
 def _leave_handlers_as_found(fn):
     """Rank workers are shared between tests: uninstall what this test installed."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        was = tuple(handlers.is_installed() for handlers in _HANDLERS)
-        try:
+        with _handlers_left_as_found():
             return fn(*args, **kwargs)
-        finally:
-            for handlers, installed in zip(_HANDLERS, was):
-                if handlers.is_installed() and not installed:
-                    handlers.uninstall()
 
     return wrapper
 

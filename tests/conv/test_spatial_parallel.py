@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch_tp.conv as tp_conv
 import torch_tp.conv.batch_norm as tp_batch_norm
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
+from torch_tp.conv.spatial import _handlers_left_as_found
 from torch_tp.functional import spatial
 from torch_tp.testing import (
     TOL,
@@ -36,13 +37,8 @@ WIDTH_PLAN = {"*": SpatialParallel(dim=3)}
 def _restoring_handlers(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        was_installed = tp_conv.is_installed(), tp_batch_norm.is_installed()
-        try:
+        with _handlers_left_as_found():
             return fn(*args, **kwargs)
-        finally:
-            for handlers, was in zip((tp_conv, tp_batch_norm), was_installed):
-                if handlers.is_installed() and not was:
-                    handlers.uninstall()
 
     return wrapper
 

@@ -38,8 +38,10 @@ from torch_tp.conv.pooling import sharded_pooling
 from torch_tp.conv.sharded_conv import (
     convolution_backward_handler,
     convolution_handler,
+    halo_overlap,
     install,
     is_installed,
+    overlaps_halos,
     sharded_convolution,
     uninstall,
 )
@@ -59,8 +61,10 @@ __all__ = [
     "convolution_handler",
     "halo_bytes",
     "halo_exchange",
+    "halo_overlap",
     "install",
     "is_installed",
+    "overlaps_halos",
     "resolve_padding",
     "sharded_convolution",
     "sharded_group_norm",

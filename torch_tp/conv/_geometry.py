@@ -177,6 +177,37 @@ class ShardWindow:
         """Length of the local convolution input: the trimmed strip plus the edge zeros."""
         return self.strip_size - self.trim_left - self.trim_right + self.pad_left + self.pad_right
 
+    def halo_free_span(self) -> tuple[int, int]:
+        """``[a, b)`` of the local convolution input that holds no received position: the own
+        shard's kept slices with the edge zeros next to them. Outside it (``[0, a)`` and
+        ``[b, local_size)``) lie the kept parts of the left / right halo.
+
+        Example:
+            >>> w = conv_windows(8, 2, kernel_size=3, padding=1)[0]  # local input: 0 ++ own(4) ++ 1 halo
+            >>> w.halo_free_span(), w.local_size
+            ((0, 5), 6)
+        """
+        kept_left = max(0, self.recv_left - self.trim_left)  # left-halo slices the trim keeps
+        kept_right = max(0, self.recv_right - self.trim_right)
+        a = self.pad_left + kept_left if kept_left else 0
+        b = self.local_size - self.pad_right - kept_right if kept_right else self.local_size
+        return a, b
+
+    def interior_outputs(self, stride: int, span: int) -> tuple[int, int]:
+        """``[j0, j1)``: the owned outputs (local indices) whose taps read no halo, so they can
+        be computed while the halos are in flight. ``span`` is ``dilation * (kernel_size - 1)``.
+        Empty (``j0 == j1``) when every output reads a halo.
+
+        Example:
+            >>> w = conv_windows(16, 2, kernel_size=3, padding=1)[1]  # 1 halo column, then own(8) ++ 0
+            >>> w.interior_outputs(stride=1, span=2)                 # output 0 reads the halo
+            (1, 8)
+        """
+        a, b = self.halo_free_span()
+        j0 = min(-(-a // stride), self.out_size)
+        j1 = max(j0, min(self.out_size, (b - 1 - span) // stride + 1 if b - 1 - span >= 0 else 0))
+        return j0, j1
+
 
 def _check_positive(**sizes: int) -> None:
     for name, value in sizes.items():

@@ -76,34 +76,32 @@ def _resolve_neighbours(group: Any, mesh: Any, mesh_dim: Any) -> _Neighbours:
     return _Neighbours(group, position, size, left, right)
 
 
-def _send_recv(
-    to_left: torch.Tensor,
-    to_right: torch.Tensor,
-    from_left: torch.Tensor,
-    from_right: torch.Tensor,
-    nb: _Neighbours,
-) -> None:
-    """Send ``to_left``/``to_right`` and fill ``from_left``/``from_right`` (empty ones skipped)."""
-    _transfer({-1: to_left, 1: to_right}, {-1: from_left, 1: from_right}, nb)
-
-
 def _transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> None:
     """One batch of P2P ops: ``sends[o]`` goes to, and ``recvs[o]`` is filled from, the rank
-    ``o`` positions away (negative: left). Empty tensors are skipped; the ops are ordered by
-    distance, left before right, send before receive (one hop: the neighbours' pattern)."""
+    ``o`` positions away (negative: left), waited for."""
+    _wait(_start_transfer(sends, recvs, nb))
+
+
+def _start_transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> list:
+    """:func:`_transfer` without the wait: returns the works (``recvs`` are filled once they are
+    done). Empty tensors are skipped; the ops are ordered by distance, left before right, send
+    before receive (one hop: the neighbours' pattern)."""
     ops = []
     for offset in sorted(set(sends) | set(recvs), key=lambda o: (abs(o), o > 0)):
         for op, tensor in ((dist.isend, sends.get(offset)), (dist.irecv, recvs.get(offset))):
             if tensor is not None and tensor.numel():
                 ops.append(dist.P2POp(op, tensor, peer=nb.peer(offset), group=nb.group))
-    _run_p2p(ops)
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _run_p2p(ops: list) -> None:
     """Issue ``ops`` (``dist.P2POp``) as one batch and wait for all of them."""
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    _wait(dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def _hops(count: Count) -> tuple[int, ...]:
@@ -134,6 +132,42 @@ class _HaloExchange(torch.autograd.Function):
         return _exchange_backward(grad_strip, *ctx.args), None, None, None, None, None, None
 
 
+@dataclasses.dataclass
+class _HalosInFlight:
+    """The forward exchange, started: the halo buffers fill once :meth:`wait` returns."""
+
+    halo_left: list[torch.Tensor]  # nearest rank first
+    halo_right: list[torch.Tensor]
+    works: list
+    dim: int
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(halo_left, halo_right)``, each in position order (farthest left rank first)."""
+        _wait(self.works)
+        return _cat(self.halo_left[::-1], self.dim), _cat(self.halo_right, self.dim)
+
+
+def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _exchange_start(
+    x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
+    nb: _Neighbours,
+) -> _HalosInFlight:
+    """Start the forward exchange (no autograd) and return at once: compute that does not read
+    the halos can run while they are in flight (:mod:`torch_tp.conv.sharded_conv`)."""
+    n = x_shard.shape[dim]
+    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
+    sends = {-1 - h: x_shard.narrow(dim, 0, c).contiguous() for h, c in enumerate(send_l)}
+    sends.update({1 + h: x_shard.narrow(dim, n - c, c).contiguous() for h, c in enumerate(send_r)})
+    halo_left = [_empty_slices(x_shard, dim, c) for c in recv_l] or [_empty_slices(x_shard, dim, 0)]
+    halo_right = [_empty_slices(x_shard, dim, c) for c in recv_r] or [_empty_slices(x_shard, dim, 0)]
+    recvs = {-1 - h: t for h, t in enumerate(halo_left)}
+    recvs.update({1 + h: t for h, t in enumerate(halo_right)})
+    return _HalosInFlight(halo_left, halo_right, _start_transfer(sends, recvs, nb), dim)
+
+
 def _exchange_forward(
     x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
     nb: _Neighbours,
@@ -143,23 +177,38 @@ def _exchange_forward(
     Each count is an int (one hop) or split per hop (:func:`_hops`); the halo pieces are
     concatenated in position order (farthest left rank first).
     """
-    n = x_shard.shape[dim]
-    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
-    sends = {-1 - h: x_shard.narrow(dim, 0, c).contiguous() for h, c in enumerate(send_l)}
-    sends.update({1 + h: x_shard.narrow(dim, n - c, c).contiguous() for h, c in enumerate(send_r)})
-    halo_left = [_empty_slices(x_shard, dim, c) for c in recv_l]  # nearest rank first
-    halo_right = [_empty_slices(x_shard, dim, c) for c in recv_r]
-    recvs = {-1 - h: t for h, t in enumerate(halo_left)}
-    recvs.update({1 + h: t for h, t in enumerate(halo_right)})
-    _transfer(sends, recvs, nb)
-    return torch.cat([*halo_left[::-1], x_shard, *halo_right], dim=dim)
+    halo_left, halo_right = _exchange_start(x_shard, dim, recv_left, recv_right, send_left, send_right, nb).wait()
+    return torch.cat([halo_left, x_shard, halo_right], dim=dim)
 
 
-def _exchange_backward(
+@dataclasses.dataclass
+class _GradientsInFlight:
+    """The adjoint exchange, started: :meth:`wait` adds what arrives onto the own gradient."""
+
+    grad_x: torch.Tensor  # the own slices' gradient, without the pieces still to arrive
+    from_left: list[torch.Tensor]  # what the ranks h + 1 to the left send back, nearest first
+    from_right: list[torch.Tensor]
+    works: list
+    dim: int
+
+    def wait(self) -> torch.Tensor:
+        """The gradient of the ``n`` own slices, every reader's piece added."""
+        _wait(self.works)
+        n = self.grad_x.shape[self.dim]
+        for piece in self.from_left:
+            self.grad_x.narrow(self.dim, 0, piece.shape[self.dim]).add_(piece)
+        for piece in self.from_right:
+            c = piece.shape[self.dim]
+            self.grad_x.narrow(self.dim, n - c, c).add_(piece)
+        return self.grad_x
+
+
+def _exchange_backward_start(
     grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
     send_right: Count, nb: _Neighbours, n: int,
-) -> torch.Tensor:
-    """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
+) -> _GradientsInFlight:
+    """Start the adjoint of :func:`_exchange_forward` and return at once (compute that does not
+    need the own gradient can run while the halo gradients travel)."""
     recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
     left = sum(recv_l)
     sends, stop = {}, left
@@ -170,15 +219,20 @@ def _exchange_backward(
     for h, c in enumerate(recv_r):
         sends[1 + h] = grad_strip.narrow(dim, start, c).contiguous()
         start += c
-    recvs = {-1 - h: _empty_slices(grad_strip, dim, c) for h, c in enumerate(send_l)}
-    recvs.update({1 + h: _empty_slices(grad_strip, dim, c) for h, c in enumerate(send_r)})
-    _transfer(sends, recvs, nb)
-    grad_x = grad_strip.narrow(dim, left, n).clone()
-    for h, c in enumerate(send_l):
-        grad_x.narrow(dim, 0, c).add_(recvs[-1 - h])
-    for h, c in enumerate(send_r):
-        grad_x.narrow(dim, n - c, c).add_(recvs[1 + h])
-    return grad_x
+    from_left = [_empty_slices(grad_strip, dim, c) for c in send_l]
+    from_right = [_empty_slices(grad_strip, dim, c) for c in send_r]
+    recvs = {-1 - h: t for h, t in enumerate(from_left)}
+    recvs.update({1 + h: t for h, t in enumerate(from_right)})
+    works = _start_transfer(sends, recvs, nb)
+    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), from_left, from_right, works, dim)
+
+
+def _exchange_backward(
+    grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
+    send_right: Count, nb: _Neighbours, n: int,
+) -> torch.Tensor:
+    """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
+    return _exchange_backward_start(grad_strip, dim, recv_left, recv_right, send_left, send_right, nb, n).wait()
 
 
 def _is_count(value: Any) -> bool:

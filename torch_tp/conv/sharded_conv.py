@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -37,13 +38,21 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows
 from torch_tp.conv._handler_table import HandlerTable
-from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
+from torch_tp.conv.halo import (
+    _exchange_backward,
+    _exchange_backward_start,
+    _exchange_forward,
+    _exchange_start,
+    _resolve_neighbours,
+)
 
 __all__ = [
     "convolution_backward_handler",
     "convolution_handler",
+    "halo_overlap",
     "install",
     "is_installed",
+    "overlaps_halos",
     "sharded_convolution",
     "uninstall",
 ]
@@ -194,6 +203,78 @@ def _local_input(x_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return _pad_dim(kept, d, w.pad_left, w.pad_right)
 
 
+def _conv(local_in: torch.Tensor, *, w_local: torch.Tensor, b_local: Optional[torch.Tensor], plan: _Plan,
+          output_padding: list, groups: int) -> torch.Tensor:
+    """The local convolution: padding 0 on the sharded dim (the window holds the zeros)."""
+    return aten.convolution.default(local_in, w_local, b_local, plan.stride, plan.padding, plan.dilation, False,
+                                    output_padding, groups)
+
+
+def _no_outputs(x_local: torch.Tensor, weight: DTensor, plan: _Plan) -> torch.Tensor:
+    """The empty output of a rank that owns no output along the sharded dim."""
+    shape = [x_local.shape[0], weight.shape[0]] + [
+        _out_size(_local_shape(x_local, plan)[2 + i], weight.shape[2 + i], plan.stride[i], plan.padding[i],
+                  plan.dilation[i]) for i in range(x_local.ndim - 2)
+    ]
+    shape[plan.spatial_dim] = 0
+    return x_local.new_zeros(shape)
+
+
+def _overlapped(x_local: torch.Tensor, plan: _Plan, conv: Any, *, stride: int, span: int) -> torch.Tensor:
+    """The local convolution with the halo exchange in flight while the interior is computed.
+
+    The outputs whose taps read no halo (:meth:`ShardWindow.interior_outputs`) are computed
+    from the own shard and the edge zeros as soon as the exchange has started; the border
+    outputs once the halos have arrived. The three pieces are the one convolution's outputs,
+    split along the sharded dim (each carries the bias once).
+    """
+    w, d = plan.window, plan.spatial_dim
+    flight = _exchange_start(x_local, *_exchange_args(plan))
+    local_in = x_local.new_empty(_local_shape(x_local, plan))
+    _zero_edges(local_in, d, w)
+    _place(local_in, d, w, w.recv_left, x_local)
+    j0, j1 = w.interior_outputs(stride, span)
+
+    def outputs(first: int, stop: int) -> Optional[torch.Tensor]:  # local outputs [first, stop)
+        if stop <= first:
+            return None
+        return conv(local_in.narrow(d, first * stride, (stop - 1 - first) * stride + span + 1))
+
+    interior = outputs(j0, j1)
+    _place_halos(local_in, plan, flight)
+    pieces = [p for p in (outputs(0, j0), interior, outputs(j1, w.out_size)) if p is not None]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+
+def _fill_local_input(local_in: torch.Tensor, x_local: torch.Tensor, plan: _Plan, flight: Any) -> None:
+    """Write the whole local input into ``local_in``: edge zeros, own slices, then the halos
+    once ``flight`` (the started exchange) has arrived."""
+    w, d = plan.window, plan.spatial_dim
+    _zero_edges(local_in, d, w)
+    _place(local_in, d, w, w.recv_left, x_local)
+    _place_halos(local_in, plan, flight)
+
+
+def _place_halos(local_in: torch.Tensor, plan: _Plan, flight: Any) -> None:
+    w, d = plan.window, plan.spatial_dim
+    halo_left, halo_right = flight.wait()
+    _place(local_in, d, w, 0, halo_left)
+    _place(local_in, d, w, w.recv_left + w.in_size, halo_right)
+
+
+def _zero_edges(local_in: torch.Tensor, d: int, w: ShardWindow) -> None:
+    local_in.narrow(d, 0, w.pad_left).zero_()
+    local_in.narrow(d, w.local_size - w.pad_right, w.pad_right).zero_()
+
+
+def _place(local_in: torch.Tensor, d: int, w: ShardWindow, start: int, data: torch.Tensor) -> None:
+    """Copy ``data``, the strip positions ``[start, start + len)``, to where the trimmed and
+    edge-padded local input keeps them (trimmed positions are dropped)."""
+    lo, hi = max(start, w.trim_left), min(start + data.shape[d], w.strip_size - w.trim_right)
+    if hi > lo:
+        local_in.narrow(d, w.pad_left + lo - w.trim_left, hi - lo).copy_(data.narrow(d, lo - start, hi - lo))
+
+
 def _pad_dim(t: torch.Tensor, d: int, left: int, right: int) -> torch.Tensor:
     if left == 0 and right == 0:
         return t
@@ -266,22 +347,18 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     x_local = x.to_local()
     w_local = weight.to_local()
     b_local = bias.to_local() if bias is not None else None
+    conv = functools.partial(_conv, w_local=w_local, b_local=b_local, plan=plan,
+                             output_padding=list(output_padding), groups=groups)
     if plan.spatial_dim is None:
-        local_in = x_local
+        out = conv(x_local)
+    elif plan.window.out_size == 0:
+        _local_input(x_local, plan)  # every rank exchanges, outputs or not
+        out = _no_outputs(x_local, weight, plan)
+    elif _OVERLAP_HALOS:
+        k = plan.spatial_dim - 2
+        out = _overlapped(x_local, plan, conv, stride=plan.stride[k], span=plan.dilation[k] * (weight.shape[plan.spatial_dim] - 1))
     else:
-        local_in = _local_input(x_local, plan)  # every rank exchanges, outputs or not
-    if plan.window is not None and plan.window.out_size == 0:
-        local_out_shape = [x_local.shape[0], weight.shape[0]] + [
-            _out_size(local_in.shape[2 + i], weight.shape[2 + i], plan.stride[i], plan.padding[i],
-                      plan.dilation[i]) for i in range(n_spatial)
-        ]
-        local_out_shape[plan.spatial_dim] = 0
-        out = x_local.new_zeros(local_out_shape)
-    else:
-        out = aten.convolution.default(
-            local_in, w_local, b_local, plan.stride, plan.padding, plan.dilation, False,
-            list(output_padding), groups,
-        )
+        out = conv(_local_input(x_local, plan))
     return _wrap(out, plan.mesh, plan.placements, out_shape)
 
 
@@ -318,44 +395,80 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
     mask = list(output_mask)
     x_local, w_local, go_local = x.to_local(), weight.to_local(), grad_out.to_local()
     w = plan.window
+    conv_backward = functools.partial(_conv_backward, go_local, w_local=w_local, bias_sizes=bias_sizes, plan=plan,
+                                      output_padding=list(output_padding), groups=groups)
     if plan.spatial_dim is None:
-        local_in = x_local
-    elif mask[1]:
-        local_in = _local_input(x_local, plan)  # grad_weight needs the data: exchange again
+        gi, gw, gb = conv_backward(x_local, mask)
+    elif _OVERLAP_HALOS and w.out_size > 0:
+        gi, gw, gb = _backward_overlapped(x_local, plan, conv_backward, mask)
     else:
-        local_in = x_local.new_zeros(_local_shape(x_local, plan))  # only its shape is read
-    if w is not None and w.out_size == 0:
-        gi = local_in.new_zeros(local_in.shape) if mask[0] else None
-        gw = torch.zeros_like(w_local) if mask[1] else None
-        gb = w_local.new_zeros(weight.shape[0]) if mask[2] else None
-    else:
-        gi, gw, gb = aten.convolution_backward.default(
-            go_local, local_in, w_local, bias_sizes, plan.stride, plan.padding, plan.dilation, False,
-            list(output_padding), groups, mask,
-        )
-    grad_input = None
-    if mask[0]:
-        if plan.spatial_dim is not None:
-            gi = _strip_grad_to_shard(gi, plan, x_local.shape[plan.spatial_dim])
-        grad_input = _wrap(gi, plan.mesh, plan.placements, x.shape)
+        gi, gw, gb = _backward_serial(x_local, w_local, weight, plan, conv_backward, mask)
+    grad_input = _wrap(gi, plan.mesh, plan.placements, x.shape) if mask[0] else None
     reduced = [Partial() if isinstance(p, Shard) else Replicate() for p in plan.placements]
     grad_weight = _wrap(gw, plan.mesh, reduced, weight.shape) if mask[1] else None
     grad_bias = _wrap(gb, plan.mesh, reduced, gb.shape) if mask[2] else None
     return grad_input, grad_weight, grad_bias
 
 
-def _strip_grad_to_shard(g_local: torch.Tensor, plan: _Plan, n: int) -> torch.Tensor:
-    """Undo pad and trim (zero-filling trimmed slices), then the adjoint halo exchange."""
+def _conv_backward(go_local: torch.Tensor, local_in: torch.Tensor, mask: list, *, w_local: torch.Tensor,
+                   bias_sizes: Any, plan: _Plan, output_padding: list, groups: int) -> tuple:
+    """The local ``convolution_backward`` (its input gradient reads only ``local_in``'s shape)."""
+    return aten.convolution_backward.default(go_local, local_in, w_local, bias_sizes, plan.stride, plan.padding,
+                                             plan.dilation, False, output_padding, groups, mask)
+
+
+def _backward_serial(x_local: torch.Tensor, w_local: torch.Tensor, weight: DTensor, plan: _Plan,
+                     conv_backward: Any, mask: list) -> tuple:
+    """Exchange the strip again (the weight gradient reads it), run the local backward, send the
+    halo gradients back. A rank without outputs still takes part in both exchanges."""
+    if mask[1]:
+        local_in = _local_input(x_local, plan)
+    else:
+        local_in = x_local.new_zeros(_local_shape(x_local, plan))  # only its shape is read
+    if plan.window.out_size == 0:
+        gi = local_in.new_zeros(local_in.shape) if mask[0] else None
+        gw = torch.zeros_like(w_local) if mask[1] else None
+        gb = w_local.new_zeros(weight.shape[0]) if mask[2] else None
+    else:
+        gi, gw, gb = conv_backward(local_in, mask)
+    if mask[0]:
+        gi = _exchange_backward(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[plan.spatial_dim])
+    return gi, gw, gb
+
+
+def _backward_overlapped(x_local: torch.Tensor, plan: _Plan, conv_backward: Any, mask: list) -> tuple:
+    """:func:`_backward_serial` with each exchange in flight behind compute that does not need it.
+
+    The input gradient reads no input data, so it is computed while the strip travels again;
+    the weight and bias gradients are computed while the halo gradients travel back. The two
+    exchanges still run one after the other, in the same order on every rank.
+    """
+    d = plan.spatial_dim
+    flight = _exchange_start(x_local, *_exchange_args(plan)) if mask[1] else None
+    local_in = x_local.new_empty(_local_shape(x_local, plan))
+    gi = conv_backward(local_in, [True, False, False])[0] if mask[0] else None
+    if flight is not None:
+        _fill_local_input(local_in, x_local, plan, flight)
+    returning = None
+    if mask[0]:
+        returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d])
+    gw = gb = None
+    if mask[1] or mask[2]:
+        _, gw, gb = conv_backward(local_in, [False, mask[1], mask[2]])
+    return (returning.wait() if returning is not None else None), gw, gb
+
+
+def _grad_strip(g_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The local input's gradient as the exchanged strip's: pad undone, trimmed slices zero."""
     w, d = plan.window, plan.spatial_dim
     kept = g_local.narrow(d, w.pad_left, w.local_size - w.pad_left - w.pad_right)
-    if w.trim_left or w.trim_right:
-        shape = list(g_local.shape)
-        shape[d] = w.strip_size
-        strip = g_local.new_zeros(shape)
-        strip.narrow(d, w.trim_left, kept.shape[d]).copy_(kept)
-    else:
-        strip = kept
-    return _exchange_backward(strip, *_exchange_args(plan), n)
+    if not (w.trim_left or w.trim_right):
+        return kept
+    shape = list(g_local.shape)
+    shape[d] = w.strip_size
+    strip = g_local.new_zeros(shape)
+    strip.narrow(d, w.trim_left, kept.shape[d]).copy_(kept)
+    return strip
 
 
 def _bind(args: tuple, kwargs: dict, names: tuple) -> list:
@@ -364,6 +477,47 @@ def _bind(args: tuple, kwargs: dict, names: tuple) -> list:
         if name in (kwargs or {}):
             values[i] = kwargs[name]
     return values
+
+
+# --------------------------------------------------------------------------------------------
+# Overlap of the halo exchange with the interior's compute
+# --------------------------------------------------------------------------------------------
+
+_OVERLAP_HALOS = True
+
+
+def overlaps_halos() -> bool:
+    """Whether the convolution handler computes a strip's interior while its halos are in flight.
+
+    Example:
+        >>> overlaps_halos()
+        True
+    """
+    return _OVERLAP_HALOS
+
+
+@contextlib.contextmanager
+def halo_overlap(enabled: bool) -> Iterator[None]:
+    """Context manager: turn the overlap of the halo exchange with the interior's compute on or
+    off (it is on by default) for the convolutions run inside; restored on exit.
+
+    Off, each rank waits for its halos, then convolves the whole strip at once (one larger
+    kernel call instead of up to three); the numbers are the same either way.
+
+    Example:
+        >>> from torch_tp.conv import halo_overlap, overlaps_halos
+        >>> with halo_overlap(False):
+        ...     print(overlaps_halos())
+        False
+        >>> overlaps_halos()
+        True
+    """
+    global _OVERLAP_HALOS
+    previous, _OVERLAP_HALOS = _OVERLAP_HALOS, bool(enabled)
+    try:
+        yield
+    finally:
+        _OVERLAP_HALOS = previous
 
 
 # --------------------------------------------------------------------------------------------

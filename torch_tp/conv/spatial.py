@@ -15,8 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -454,3 +455,30 @@ def _install_handlers(module: nn.Module | None) -> None:
         sharded_pooling.install()  # a region's pooling windows cross strip borders: halos
     if module is None and not sharded_upsample.is_installed():
         sharded_upsample.install()  # upsampling reads the columns its outputs interpolate
+
+
+_HANDLER_MODULES = (sharded_conv, sharded_padding, sharded_batch_norm, sharded_group_norm, sharded_pooling,
+                    sharded_upsample)
+
+
+@contextlib.contextmanager
+def _handlers_left_as_found() -> Iterator[None]:
+    """Uninstall, on exit, every handler set that :class:`SpatialParallel` installed inside
+    (it leaves them installed for the model's later calls). For code that shares a process
+    with others, as the tests' rank workers do.
+
+    Example:
+        >>> from torch_tp.conv import padding
+        >>> with _handlers_left_as_found():
+        ...     padding.install()
+        >>> padding.is_installed()
+        False
+    """
+    was = [handlers.is_installed() for handlers in _HANDLER_MODULES]
+    try:
+        yield
+    finally:
+        for handlers, installed in zip(_HANDLER_MODULES, was):
+            if handlers.is_installed() and not installed:
+                handlers.uninstall()
+
