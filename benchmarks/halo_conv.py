@@ -51,17 +51,19 @@ Columns:
                     every round; a barrier precedes each timed step; GC is off while timing.
 ``AG/halo ms``      ``AG ms / halo ms`` (above 1: the halo path is faster).
 
-A second table measures the forward's *exposed halo time*: the time rank 0 is blocked waiting
-for its halos (``_HalosInFlight.wait``, timed around the call), in two forwards per round (no
-autograd), interleaved:
+A second table measures the *exposed halo time* of forward + backward: the time rank 0 is
+blocked waiting on halo exchanges (each exchange's ``wait``, timed around the call: the
+forward's halos, the strip exchanged again in the backward, the halo gradients sent back), in
+two variants per round, interleaved:
 
-``serial ms``, ``overlap ms``   median wall time of the DTensor forward with
-                    ``halo_overlap(False)`` (wait for the halos, then convolve the strip) and
-                    with the default ``halo_overlap(True)`` (the interior columns, those no halo
-                    reaches, convolve while the halos are in flight; the borders after).
-``waited serial``, ``waited overlap``   median ms blocked waiting for the halos: with the
-                    overlap off that is the whole exchange; with it on, what the interior's
-                    compute did not cover.
+``serial ms``, ``overlap ms``   median wall time of one forward + backward with
+                    ``halo_overlap(False)`` (every exchange waited for at once) and with the
+                    default ``halo_overlap(True)``: the forward convolves the interior columns
+                    (those no halo reaches) while the halos are in flight, the borders after;
+                    the backward computes the input gradient while the strip travels again
+                    and the weight gradient while the halo gradients travel back.
+``waited serial``, ``waited overlap``   median ms blocked on the exchanges: with the overlap
+                    off that is every exchange whole; with it on, what compute did not cover.
 ``hidden``          ``1 - waited overlap / waited serial``: the share of the exposed halo time
                     the overlap removes.
 """
@@ -206,40 +208,40 @@ def gather_step(case: Case, leaves) -> torch.Tensor:
     return own.detach()
 
 
-def forward_step(case: Case, leaves, overlap: bool) -> None:
-    """The sharded forward alone, with the halo overlap on or off."""
-    with torch.no_grad(), sharded_convolution(), halo_overlap(overlap):
-        F.conv2d(*leaves, **case.kwargs())
-
-
 class WaitClock:
-    """Seconds spent blocked in the halo exchange's ``wait`` (every forward exchange's)."""
+    """Seconds spent blocked on halo exchanges: the forward's halos and, in the backward, the
+    strip exchanged again and the halo gradients sent back (every ``wait`` of an exchange)."""
+
+    CLASSES = (halo_module._HalosInFlight, halo_module._GradientsInFlight)
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._wait = halo_module._HalosInFlight.wait
+        self._waits = [cls.wait for cls in self.CLASSES]
 
     def __enter__(self) -> "WaitClock":
-        clock, wait = self, self._wait
+        for cls, wait in zip(self.CLASSES, self._waits):
+            cls.wait = self._timed(wait)
+        return self
 
+    def _timed(self, wait):
         def timed_wait(flight):
             start = time.perf_counter()
             try:
                 return wait(flight)
             finally:
-                clock.seconds += time.perf_counter() - start
+                self.seconds += time.perf_counter() - start
 
-        halo_module._HalosInFlight.wait = timed_wait
-        return self
+        return timed_wait
 
     def __exit__(self, *exc) -> None:
-        halo_module._HalosInFlight.wait = self._wait
+        for cls, wait in zip(self.CLASSES, self._waits):
+            cls.wait = wait
 
 
-def timed_forward(case: Case, leaves, overlap: bool, waits: list[float]) -> None:
-    """:func:`forward_step`, recording the seconds blocked on the halos in ``waits``."""
-    with WaitClock() as clock:
-        forward_step(case, leaves, overlap)
+def timed_halo_step(case: Case, leaves, overlap: bool, waits: list[float]) -> None:
+    """:func:`halo_step` with the overlap on or off, recording the seconds blocked on halos."""
+    with WaitClock() as clock, halo_overlap(overlap):
+        halo_step(case, leaves)
     waits.append(clock.seconds)
 
 
@@ -286,8 +288,8 @@ def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
     times = time_interleaved(steps, config.iters, config.warmup)
     waits: dict[str, list[float]] = {"serial": [], "overlap": []}
     forwards = {
-        "serial": lambda: timed_forward(case, halo, False, waits["serial"]),
-        "overlap": lambda: timed_forward(case, halo, True, waits["overlap"]),
+        "serial": lambda: timed_halo_step(case, halo, False, waits["serial"]),
+        "overlap": lambda: timed_halo_step(case, halo, True, waits["overlap"]),
     }
     forward_times = time_interleaved(forwards, config.iters, config.warmup)
     input_bytes = x.numel() * x.element_size()
@@ -362,7 +364,7 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
         "",
         markdown_table(COLUMNS, [table_cells(row) for row in rows]),
         "",
-        "Exposed halo time of the forward (rank 0, median ms blocked on the halos; no autograd):",
+        "Exposed halo time of forward + backward (rank 0, median ms blocked on halo exchanges):",
         "",
         markdown_table(OVERLAP_COLUMNS, [overlap_cells(row) for row in rows]),
     ])
