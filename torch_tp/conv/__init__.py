@@ -16,7 +16,9 @@ statistics (:func:`sharded_group_norm`) and DTensor rules for the activations it
 (:func:`sharded_pointwise`, :mod:`torch_tp.conv.pointwise`), and upsampling and transposed
 convolution on strips (:func:`sharded_upsampling`, :mod:`torch_tp.conv.upsample`,
 :mod:`torch_tp.conv.transposed_conv`), and constant padding that keeps a padded strip sharded
-(:func:`sharded_padding`, :mod:`torch_tp.conv.padding`: an even kernel's ``padding="same"``).
+(:func:`sharded_padding`, :mod:`torch_tp.conv.padding`: an even kernel's ``padding="same"``),
+and spatial means over uneven strips without a gather (:func:`sharded_mean`,
+:mod:`torch_tp.conv.global_mean`).
 
 Importing this package changes no DTensor behaviour.
 
@@ -30,6 +32,7 @@ Example::
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
 from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
+from torch_tp.conv.global_mean import sharded_mean
 from torch_tp.conv.group_norm import group_norm_backward_handler, group_norm_handler, sharded_group_norm
 from torch_tp.conv.halo import halo_bytes, halo_exchange
 from torch_tp.conv.padding import sharded_padding
@@ -68,6 +71,7 @@ __all__ = [
     "resolve_padding",
     "sharded_convolution",
     "sharded_group_norm",
+    "sharded_mean",
     "sharded_padding",
     "sharded_pointwise",
     "group_norm_handler",

@@ -38,9 +38,10 @@ single-process indices. ``nn.MaxUnpool*d`` on a sharded input is not supported.
 maxima (bins on the other dims as usual) and one ``all_gather`` picks the global ones (ties:
 the lowest global index, as one process's scan); a larger size on ``d`` gathers the input.
 Either output is ``Replicate()`` on that mesh dim. Average pooling to size 1
-(``nn.AdaptiveAvgPool*d(1)``, ``x.mean((2, 3))``) reaches ``aten.mean.dim``, other adaptive
-averages ``_adaptive_avg_pool*d``: DTensor computes both correctly, gradients included
-(``Partial(avg)`` on even strips, else it gathers the input), so they are left to it.
+(``nn.AdaptiveAvgPool*d(1)``, ``x.mean((2, 3))``) reaches ``aten.mean.dim``, which
+:mod:`torch_tp.conv.global_mean` reduces without a gather on even and uneven strips alike;
+other adaptive averages (``_adaptive_avg_pool*d``) are left to DTensor, which gathers the
+input for them.
 
 Nothing is installed on import: use :func:`install` / :func:`uninstall` or
 :func:`sharded_pooling`, which put these handlers into DTensor's custom op table and

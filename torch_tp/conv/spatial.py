@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
 from torch_tp.conv import batch_norm as sharded_batch_norm
+from torch_tp.conv import global_mean as sharded_mean
 from torch_tp.conv import group_norm as sharded_group_norm
 from torch_tp.conv import padding as sharded_padding
 from torch_tp.conv import pointwise as sharded_pointwise
@@ -455,10 +456,12 @@ def _install_handlers(module: nn.Module | None) -> None:
         sharded_pooling.install()  # a region's pooling windows cross strip borders: halos
     if module is None and not sharded_upsample.is_installed():
         sharded_upsample.install()  # upsampling reads the columns its outputs interpolate
+    if module is None and not sharded_mean.is_installed():
+        sharded_mean.install()  # a spatial mean (squeeze-excite, global pool) over uneven strips: no gather
 
 
 _HANDLER_MODULES = (sharded_conv, sharded_padding, sharded_batch_norm, sharded_group_norm, sharded_pooling,
-                    sharded_upsample)
+                    sharded_upsample, sharded_mean)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,151 @@
+"""A DTensor handler for ``aten.mean.dim`` that reduces uneven strips without gathering them.
+
+| op | reached by | the handler |
+| --- | --- | --- |
+| ``mean.dim`` | ``x.mean((2, 3))`` (squeeze-excite), ``nn.AdaptiveAvgPool*d(1)``, any ``mean`` over dims | :func:`mean_handler`: a ``sum`` over the dims, divided by the global count |
+| ``mean.default`` | ``x.mean()`` | :func:`mean_handler`, over every dim |
+
+DTensor's own rule for ``mean`` over a sharded dim gives ``Partial(avg)`` (the mean of the
+ranks' means) only when the shards are even; on uneven strips (width 18 on 4 ranks: 5, 5, 5, 3)
+it all-gathers the whole input first, on every rank, in every squeeze-excite block. Here the
+mean is computed as ``sum(x, dims) / count`` with DTensor's ``sum``, which reduces uneven shards
+locally to ``Partial(sum)``; dividing by the global count keeps it partial. So the forward
+sends nothing (the ``Partial`` is reduced where its value is needed, one all-reduce of the
+small result), whatever the strips. Floating-point half types accumulate in float32, as
+aten's ``mean`` does. The backward is autograd's formula for ``mean``, unchanged.
+
+Nothing is installed on import: :func:`install` / :func:`uninstall` / :func:`sharded_mean`
+(and :class:`~torch_tp.conv.SpatialParallel` on a model, which installs it with the other
+region handlers).
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs a process group")
+    >>> from torch_tp.conv.global_mean import sharded_mean
+    >>> x = distribute_tensor(torch.randn(2, 8, 4, 18), mesh, [Shard(3)])   # 4 ranks: 5, 5, 5, 3
+    >>> with sharded_mean():
+    ...     y = x.mean((2, 3))
+    >>> y.placements                                                       # no all-gather
+    (Partial(sum),)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torch_tp.conv._handler_table import HandlerTable
+from torch_tp.conv.sharded_conv import _bind
+
+__all__ = ["install", "is_installed", "mean_handler", "sharded_mean", "uninstall"]
+
+aten = torch.ops.aten
+
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def _reduced_dims(ndim: int, dim: Optional[Sequence[int]]) -> list[int]:
+    """The dims ``mean`` reduces, non-negative (``None`` or ``[]``: all of them).
+
+    Example:
+        >>> _reduced_dims(4, [-1, 2]), _reduced_dims(3, None)
+        ([3, 2], [0, 1, 2])
+    """
+    if not dim:
+        return list(range(ndim))
+    return [d % ndim for d in dim]
+
+
+def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
+    """DTensor handler for ``aten.mean.dim`` (``args`` = ``(input, dim, keepdim=False, dtype=None)``)
+    and ``aten.mean.default`` (``(input,)``, ``dtype`` a keyword).
+
+    Returns ``sum(input, dim, keepdim) / count`` computed by DTensor (its placements are
+    ``sum``'s: ``Partial(sum)`` on each mesh dim that shards a reduced dim), ``count`` being the
+    number of elements each output averages in the global tensor.
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group; install() routes mean on DTensors here")
+        >>> y = mean_handler(aten.mean.dim, (x, [2, 3]), {})
+        >>> y.placements, y.full_tensor().shape
+        ((Partial(sum),), torch.Size([2, 8]))
+    """
+    if op_call is aten.mean.default:  # mean(input, *, dtype=None): every dim
+        (x,), dim, keepdim, dtype = args, None, False, (kwargs or {}).get("dtype")
+    else:
+        x, dim, keepdim, dtype = _bind(args, kwargs, ("input", "dim", "keepdim", "dtype"))
+    out_dtype = dtype or x.dtype
+    accumulate = torch.float32 if out_dtype in _HALF_TYPES else out_dtype
+    dims = _reduced_dims(x.ndim, dim)
+    count = math.prod(x.shape[d] for d in dims)
+    total = aten.sum.dim_IntList(x, dims, bool(keepdim), dtype=accumulate)
+    mean = aten.div.Scalar(total, count)
+    return mean if mean.dtype == out_dtype else aten._to_copy.default(mean, dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Installation
+# --------------------------------------------------------------------------------------------
+
+_TABLE = HandlerTable("torch_tp.conv.global_mean", {aten.mean.dim: mean_handler, aten.mean.default: mean_handler})
+
+
+def install() -> None:
+    """Put :func:`mean_handler` into DTensor's custom op handler table for both ``mean`` ops (nests).
+
+    Example:
+        >>> from torch_tp.conv import global_mean
+        >>> global_mean.install()
+        >>> global_mean.is_installed()
+        True
+        >>> global_mean.uninstall()
+        >>> global_mean.is_installed()
+        False
+    """
+    _TABLE.install()
+
+
+def uninstall() -> None:
+    """Restore the entry the latest :func:`install` replaced.
+
+    Raises:
+        RuntimeError: no :func:`install` is outstanding.
+
+    Example:
+        >>> from torch_tp.conv import global_mean
+        >>> global_mean.uninstall()
+        Traceback (most recent call last):
+        RuntimeError: torch_tp.conv.global_mean.uninstall() without a matching install()
+    """
+    _TABLE.uninstall()
+
+
+def is_installed() -> bool:
+    """Whether DTensor's table maps both ``mean`` ops to :func:`mean_handler` now.
+
+    Example:
+        >>> from torch_tp.conv.global_mean import is_installed, sharded_mean
+        >>> with sharded_mean():
+        ...     print(is_installed())
+        True
+    """
+    return _TABLE.is_installed()
+
+
+@contextlib.contextmanager
+def sharded_mean() -> Iterator[None]:
+    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
+
+    Example:
+        >>> from torch_tp.conv.global_mean import is_installed, sharded_mean
+        >>> with sharded_mean():
+        ...     pass
+        >>> is_installed()
+        False
+    """
+    with _TABLE.installed():
+        yield
