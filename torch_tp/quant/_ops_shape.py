@@ -5,7 +5,7 @@
 | ``slice.Tensor`` (``narrow``) | uneven shards (unpadding), ``Shard`` local views |
 | ``split.Tensor`` (``chunk``) | ``distribute_tensor`` with ``Shard``; all-gather on dim != 0 |
 | ``cat`` | all-gather on dim != 0 (chunk + cat) |
-| ``view`` / ``_unsafe_view`` (``reshape``) | ``DTensor.from_local``, flattening |
+| ``view`` / ``_unsafe_view`` (``reshape``) | ``DTensor.from_local``, flattening; ``view(-1)`` (FSDP2) gives an ``Int8FlatView`` (``_ops_fsdp.py``) |
 | ``t`` / ``transpose.int`` | the ``F.linear`` decomposition (``x @ w.t()``) |
 | ``as_strided`` (identity only) | ``torch.compile`` returning an input's alias (``detach()``) |
 | ``constant_pad_nd`` | padding uneven shards before a scatter / all-gather |
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from torch_tp.quant._ops_fsdp import flatten
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 
 __all__: list[str] = []
@@ -92,13 +93,20 @@ def _resolve_shape(shape, numel: int) -> list[int]:
     return shape
 
 
+def _per_row_on_dim0_only(q: Int8SymmetricTensor) -> bool:
+    return q.scale_follows(0) and not any(q.scale_follows(d) for d in range(1, q.ndim) if q.shape[d] != 1)
+
+
 @implements([aten.view.default, aten._unsafe_view.default])
 def _int8_view(func, types, args, kwargs):
     self, shape = args[0], _resolve_shape(args[1], args[0].numel())
     if list(shape) == list(self.shape):
         qdata, scale = func(self.qdata, shape), self.scale
-    elif self.scale_follows(0) and not any(self.scale_follows(d) for d in range(1, self.ndim) if self.shape[d] != 1) \
-            and shape and shape[0] == self.shape[0]:
+    elif len(shape) == 1 and self.ndim > 1 and _per_row_on_dim0_only(self):
+        # FSDP2's flat record of a shard: the same bytes, per-row scales kept, of another class
+        # (return_and_correct_aliasing requires the input's; FSDP2 builds it eagerly, at init)
+        return flatten(self)
+    elif _per_row_on_dim0_only(self) and shape and shape[0] == self.shape[0]:
         # per-row scale on dim 0: the features of each row may be reshaped freely
         qdata = func(self.qdata, shape)
         scale = self.scale.reshape([self.shape[0]] + [1] * (len(shape) - 1))

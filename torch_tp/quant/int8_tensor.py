@@ -17,7 +17,8 @@ vary along one dim, so the shard pads, scatters and joins like its neighbours.
 
 The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
 ``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints) and
-``_ops_overlap.py`` (the fused ops of :mod:`torch_tp.overlap` with int8 weights), each
+``_ops_overlap.py`` (the fused ops of :mod:`torch_tp.overlap` with int8 weights) and
+``_ops_fsdp.py`` (FSDP2's all-gather of int8 bytes), each
 registered on :attr:`Int8SymmetricTensor.implements` when :mod:`torch_tp.quant` loads them. An op that is not implemented raises
 ``NotImplementedError`` naming the op: nothing silently falls back to float.
 """
@@ -163,6 +164,19 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
     def scale_shape_for(self, shape) -> torch.Size:
         """The ``scale`` shape a tensor of ``shape`` with this tensor's scale layout has."""
         return torch.Size(size if self.scale_follows(d) else 1 for d, size in enumerate(shape))
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple:
+        """FSDP2's all-gather extension: gather ``qdata`` and ``scale``, not floats
+        (``torch_tp.quant._ops_fsdp``)."""
+        from torch_tp.quant._ops_fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2's all-gather extension: the whole tensor from the gathered bytes."""
+        from torch_tp.quant._ops_fsdp import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
 
     def with_data(self, qdata: torch.Tensor, scale: torch.Tensor) -> "Int8SymmetricTensor":
         """A tensor of this class and dtype around new ``qdata`` and ``scale``."""
