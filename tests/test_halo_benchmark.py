@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from torch_tp.testing import markdown_tables
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -23,21 +25,8 @@ OVERLAP_COLUMNS = ["world", "conv", "serial ms", "overlap ms", "waited serial", 
 QUICK_CONVS = {"k3 s1 d1 p1", "k7 s1 d1 p3", "k5 s2 d2 p4"}
 
 
-def _tables(text: str) -> list[list[dict[str, str]]]:
-    """Every Markdown table in ``text``, each as {column: cell} rows (header under ``__header__``)."""
-    tables, block = [], []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|"):
-            block.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif block:
-            header, _separator, *rows = block
-            tables.append([dict(zip(header, row)) | {"__header__": header} for row in rows])
-            block = []
-    return tables
-
-
 def _table(text: str) -> list[dict[str, str]]:
-    return _tables(text)[0]
+    return markdown_tables(text)[0]
 
 
 def _per_rank(cell: str) -> list[float]:
@@ -69,7 +58,7 @@ def test_quick_halo_benchmark_prints_the_table_with_exact_halo_bytes():
         for column in ("halo ms", "AG ms"):
             assert float(row[column]) > 0, (row, out)
     # the forward's exposed halo time, overlap off and on: every cell measured, the share hidden computed
-    overlap = _tables(out)[1]
+    overlap = markdown_tables(out)[1]
     assert overlap[0]["__header__"] == OVERLAP_COLUMNS, out
     assert [(r["world"], r["conv"]) for r in overlap] == [(r["world"], r["conv"]) for r in rows], out
     for row in overlap:
