@@ -28,15 +28,19 @@ worlds larger than ``r`` and skips the others, so the world sizes can be timed i
 rounds, under the same machine load. Every rank computes with one thread (on CPU), so world
 ``w`` uses ``w`` threads; with fewer cores than ranks the ranks share cores.
 
-Before anything is measured, every world's step is checked against world 1's: the loss of the
-image (the strips' losses summed over the mesh) with ``assert_close`` at float32 tolerance
-(``TOL``); the script fails rather than measure a wrong model. The largest parameter-gradient
-difference is reported alongside.
+Before anything is measured, every world's step is checked against world 1's, on float64 copies
+of the model and image (in float32 a max-pool or ReLU decision near a tie may flip between two
+correct programs, e.g. when the halo overlap convolves a strip's borders apart from its
+interior): the loss of the image (the strips' losses summed over the mesh) with
+``assert_close`` at float32 tolerance (``TOL``); the script fails rather than measure a wrong
+model. The largest parameter-gradient difference is reported alongside. What is measured and
+timed afterwards runs in float32.
 
 Tables (``per rank`` cells list rank 0 first; other cells are the most any rank had):
 
 Step time
-    ``loss``: the image's loss; ``loss Δ``, ``grads max Δ``: absolute differences from world 1.
+    ``loss``: the image's loss; ``loss Δ``, ``grads max Δ``: absolute differences from world 1
+    (all three from the float64 check).
     ``step ms``: median wall time of one step (forward + backward). Warm-up rounds first; then
     each round runs every world once, in an order rotated every round, a barrier before each
     step, GC off; a step's time is the longest of its ranks'. ``p25-p75``: the quartiles.
@@ -491,14 +495,17 @@ def rank_main(config: Config) -> None:
     image, target = batch(s, device)
     runs = {w: World(w, reference, image, target, meshes.get(w)) for w in worlds}
 
-    # 1. every world's loss equals the single-process model's (world 1, on rank 0)
-    ref_loss = runs[1].step()
-    ref_model = runs[1].model if rank == 0 else None
+    # 1. every world's loss and gradients equal the single-process model's (world 1, on rank 0),
+    # in float64: in float32 a max-pool or ReLU decision near a tie may flip between two correct
+    # programs (a different but exact summation order, e.g. the halo overlap's split convolution)
+    checks = {w: World(w, copy.deepcopy(reference).double(), image.double(), target, meshes.get(w)) for w in worlds}
+    ref_loss = checks[1].step()
+    ref_model = checks[1].model if rank == 0 else None
     shared = [ref_loss.item() if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     results: dict[int, dict] = {}
     for w in worlds:
-        run = runs[w]
+        run = checks[w]
         if not run.member:
             continue
         loss = run.whole_loss(run.step())

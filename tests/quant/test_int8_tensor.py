@@ -106,8 +106,11 @@ def test_transpose_view_reshape_and_pad():
     assert torch.equal(q.transpose(0, 1).dequantize(), full.t())
     assert torch.equal(q.view(10, 4, 4).dequantize(), full.view(10, 4, 4))
     assert torch.equal(q.reshape(10, -1).dequantize(), full)
-    with pytest.raises(ValueError, match="would mix elements of rows"):
-        q.view(-1)
+    flat = q.view(-1)  # FSDP2's flat record: an exact flat view, per-row scales kept
+    assert type(flat).__name__ == "Int8FlatView" and torch.equal(flat.dequantize(), q.dequantize().view(-1))
+    assert torch.equal(flat.view(q.shape).qdata, q.qdata)
+    with pytest.raises(ValueError, match="views back only to a shape whose first dim is the rows"):
+        flat.view(5, 32)
     with pytest.raises(ValueError, match="would mix elements of rows"):
         q.view(5, 32)
     padded = F.pad(q, [0, 0, 0, 2])

@@ -79,29 +79,40 @@ def _resolve_neighbours(group: Any, mesh: Any, mesh_dim: Any) -> _Neighbours:
 def _transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> None:
     """One batch of P2P ops: ``sends[o]`` goes to, and ``recvs[o]`` is filled from, the rank
     ``o`` positions away (negative: left), waited for."""
-    _wait(_start_transfer(sends, recvs, nb))
+    _start_transfer(sends, recvs, nb).wait()
 
 
-def _start_transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> list:
-    """:func:`_transfer` without the wait: returns the works (``recvs`` are filled once they are
-    done). Empty tensors are skipped; the ops are ordered by distance, left before right, send
-    before receive (one hop: the neighbours' pattern)."""
+@dataclasses.dataclass
+class _Transfer:
+    """A started batch of P2P ops: its works, and every tensor they read or fill. The tensors
+    are kept alive until :meth:`wait`: a send may read its buffer after ``batch_isend_irecv``
+    has returned (gloo does), and a temporary freed earlier would be reused by the compute
+    running meanwhile (found as wrong gradients, before this class held them)."""
+
+    works: list
+    tensors: list
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.tensors.clear()
+
+
+def _start_transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> _Transfer:
+    """:func:`_transfer` without the wait (``recvs`` are filled once it is done). Empty
+    tensors are skipped; the ops are ordered by distance, left before right, send before
+    receive (one hop: the neighbours' pattern)."""
     ops = []
     for offset in sorted(set(sends) | set(recvs), key=lambda o: (abs(o), o > 0)):
         for op, tensor in ((dist.isend, sends.get(offset)), (dist.irecv, recvs.get(offset))):
             if tensor is not None and tensor.numel():
                 ops.append(dist.P2POp(op, tensor, peer=nb.peer(offset), group=nb.group))
-    return dist.batch_isend_irecv(ops) if ops else []
+    return _Transfer(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops])
 
 
 def _run_p2p(ops: list) -> None:
     """Issue ``ops`` (``dist.P2POp``) as one batch and wait for all of them."""
-    _wait(dist.batch_isend_irecv(ops) if ops else [])
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+    _Transfer(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops]).wait()
 
 
 def _hops(count: Count) -> tuple[int, ...]:
@@ -138,12 +149,12 @@ class _HalosInFlight:
 
     halo_left: list[torch.Tensor]  # nearest rank first
     halo_right: list[torch.Tensor]
-    works: list
+    transfer: _Transfer
     dim: int
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(halo_left, halo_right)``, each in position order (farthest left rank first)."""
-        _wait(self.works)
+        self.transfer.wait()
         return _cat(self.halo_left[::-1], self.dim), _cat(self.halo_right, self.dim)
 
 
@@ -188,12 +199,12 @@ class _GradientsInFlight:
     grad_x: torch.Tensor  # the own slices' gradient, without the pieces still to arrive
     from_left: list[torch.Tensor]  # what the ranks h + 1 to the left send back, nearest first
     from_right: list[torch.Tensor]
-    works: list
+    transfer: _Transfer
     dim: int
 
     def wait(self) -> torch.Tensor:
         """The gradient of the ``n`` own slices, every reader's piece added."""
-        _wait(self.works)
+        self.transfer.wait()
         n = self.grad_x.shape[self.dim]
         for piece in self.from_left:
             self.grad_x.narrow(self.dim, 0, piece.shape[self.dim]).add_(piece)
@@ -223,8 +234,8 @@ def _exchange_backward_start(
     from_right = [_empty_slices(grad_strip, dim, c) for c in send_r]
     recvs = {-1 - h: t for h, t in enumerate(from_left)}
     recvs.update({1 + h: t for h, t in enumerate(from_right)})
-    works = _start_transfer(sends, recvs, nb)
-    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), from_left, from_right, works, dim)
+    transfer = _start_transfer(sends, recvs, nb)
+    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), from_left, from_right, transfer, dim)
 
 
 def _exchange_backward(

@@ -502,7 +502,11 @@ def halo_overlap(enabled: bool) -> Iterator[None]:
     off (it is on by default) for the convolutions run inside; restored on exit.
 
     Off, each rank waits for its halos, then convolves the whole strip at once (one larger
-    kernel call instead of up to three); the numbers are the same either way.
+    kernel call instead of up to three). The results agree to rounding: convolving a strip's
+    borders apart from its interior may change the last bit of a border output for some
+    channel counts (the CPU kernel blocks narrow inputs differently), as any change of
+    summation order does; off reproduces the whole-strip path bit for bit. The backward's
+    overlap splits no computation and changes no bit.
 
     Example:
         >>> from torch_tp.conv import halo_overlap, overlaps_halos
