@@ -97,8 +97,8 @@ def checkpoint_by_pattern(model: nn.Module, patterns: str | list[str], *, policy
             and matmul, so backward re-runs no collective.
 
     Raises:
-        ValueError: a pattern matches nothing, a selected module is already checkpointed, or
-            the model is already fully sharded (FSDP must come last).
+        ValueError: a pattern matches nothing, or the model was already checkpointed (call it
+            once, with every pattern) or fully sharded (FSDP must come last).
 
     Example::
 
@@ -111,9 +111,7 @@ def checkpoint_by_pattern(model: nn.Module, patterns: str | list[str], *, policy
     """
     context_fn = _context_fn(policy)
     paths = outermost_matches(model, patterns, what="checkpoint_by_pattern pattern")
-    require_before(model, "checkpoint_by_pattern", later=("fully_shard",))
-    for path in paths:
-        require_before(model.get_submodule(path), "checkpoint_by_pattern", later=("checkpoint_by_pattern",))
+    require_before(model, "checkpoint_by_pattern", later=("fully_shard", "checkpoint_by_pattern"))
     for path in paths:
         module = model.get_submodule(path)
         replace_forward(module, _checkpointed_forward, inner=module.forward, context_fn=context_fn)
