@@ -13,8 +13,11 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo
+import torch._functorch.config
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -99,6 +102,31 @@ def test_checkpointed_sequence_parallel_llama_matches_single_process():
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
     assert_params_and_grads_match(model, reference, **TOL)
+
+
+@on_ranks(2)
+def test_selectively_checkpointed_sequence_parallel_llama_compiles_with_no_graph_break():
+    # Full recompute does not compile on a tensor-parallel model in torch 2.13: AOTAutograd's
+    # save_from_forward finds a DeviceMesh among the values it saves for backward (the
+    # recomputed redistributes); the selective policy saves the collectives and compiles.
+    torch._dynamo.reset()
+    counters.clear()
+    reference = small_llama(seed=0)
+    model = copy.deepcopy(reference)
+    parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True))
+    checkpoint_by_pattern(model, "layers.*", policy=save_collectives_and_matmuls)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for step in range(2):
+            tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+            loss, ref_loss = _loss(compiled, tokens), _loss(reference, tokens)
+            loss.backward()
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+            assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
+    assert not counters["graph_break"]
+    assert [name for name, _ in model.named_parameters()] == [name for name, _ in reference.named_parameters()]
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------- bad input
