@@ -1,9 +1,10 @@
 """DCP checkpoints of a 2-D (FSDP2 x TP) model reshard across (dp, tp) meshes bit for bit.
 
 The Llama is trained one AdamW step on (dp 2, tp 2) and saved with ``torch_tp.checkpoint``
-(DCP); a model with other values, built on (dp 1, tp 4), on (dp 4, tp 1) (FSDP alone, a 1-D
-mesh) or on (dp 2, tp 2) again, loads it in place and then holds exactly the saved values
-(every parameter as a full tensor, ``torch.equal``), including the small parameters FSDP
+(DCP), model and optimizer (``get_model_state_dict`` / ``get_optimizer_state_dict``); a
+model with other values, built on (dp 1, tp 4), on (dp 4, tp 1) (FSDP alone, a 1-D mesh) or
+on (dp 2, tp 2) again, loads it and then holds exactly the saved values (every parameter
+and AdamW moment as a full tensor, ``torch.equal``), including the small parameters FSDP
 leaves replicated.
 """
 
@@ -11,6 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import checkpoint as tp_checkpoint
@@ -35,8 +42,13 @@ def _two_d_model(dp, tp, seed):
     return fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_SIZE)
 
 
-def _full_state(model):
-    return {name: full_tensor(param.detach()).clone() for name, param in model.named_parameters()}
+def _full_state(model, optimizer):
+    """Every parameter and AdamW moment as a full tensor (collectives: call on every rank)."""
+    state = {name: full_tensor(param.detach()).clone() for name, param in model.named_parameters()}
+    for name, param in model.named_parameters():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state[f"{name}.{moment}"] = full_tensor(optimizer.state[param][moment]).clone()
+    return state
 
 
 def _train_and_save(path):
@@ -45,16 +57,20 @@ def _train_and_save(path):
     tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     optimizer.step()
-    tp_checkpoint.save(model.state_dict(), path)
-    state = _full_state(model)  # collectives: on every rank
-    return state if dist.get_rank() == 0 else None
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    tp_checkpoint.save(state, path)
+    saved = _full_state(model, optimizer)
+    return saved if dist.get_rank() == 0 else None
 
 
 def _load(path, dp, tp):
     model = _two_d_model(dp, tp, seed=1)
-    state = model.state_dict()
-    tp_checkpoint.load(state, path)  # in place, into the local shards
-    loaded = _full_state(model)  # collectives: on every rank
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    tp_checkpoint.load(state, path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    loaded = _full_state(model, optimizer)
     return loaded if dist.get_rank() == 0 else None
 
 
@@ -68,7 +84,7 @@ def saved_on_2x2(tmp_path_factory):
 def test_checkpoint_saved_on_2x2_loads_bit_for_bit_on_another_mesh(saved_on_2x2, dp, tp):
     path, saved = saved_on_2x2
     loaded = run_on_ranks(_load, 4, path, dp, tp)[0]
-    assert list(loaded) == list(saved)
+    assert list(loaded) == list(saved) and len(saved) == 3 * len(list(small_llama().parameters()))
     different = [name for name in saved if not torch.equal(loaded[name], saved[name])]
     assert different == []
     fresh = small_llama(seed=1)
