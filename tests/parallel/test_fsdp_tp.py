@@ -44,8 +44,8 @@ def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _two_d_llama(mesh, *, sequence_parallel, checkpoint):
-    model = small_llama(seed=0)
+def _two_d_llama(mesh, *, sequence_parallel, checkpoint, tie_embeddings=False):
+    model = small_llama(seed=0, tie_embeddings=tie_embeddings)
     reference = copy.deepcopy(model)
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=sequence_parallel))
     if checkpoint is not None:
@@ -83,14 +83,16 @@ def _train_and_compare(model, reference, dp_mesh, steps=3):
 
 
 @pytest.mark.parametrize(
-    "sequence_parallel, checkpoint",
-    [(False, None), (True, "full"), (True, "selective")],
-    ids=["tp", "sp-full-checkpoint", "sp-selective-checkpoint"],
+    "sequence_parallel, checkpoint, tie_embeddings",
+    [(False, None, False), (True, "full", False), (True, "selective", False), (True, None, True)],
+    ids=["tp", "sp-full-checkpoint", "sp-selective-checkpoint", "sp-tied-embeddings"],
 )
 @on_ranks(4)
-def test_2d_llama_matches_single_process_through_3_adamw_steps(sequence_parallel, checkpoint):
+def test_2d_llama_matches_single_process_through_3_adamw_steps(sequence_parallel, checkpoint, tie_embeddings):
     mesh = mesh_2x2()
-    model, reference = _two_d_llama(mesh, sequence_parallel=sequence_parallel, checkpoint=checkpoint)
+    model, reference = _two_d_llama(mesh, sequence_parallel=sequence_parallel, checkpoint=checkpoint, tie_embeddings=tie_embeddings)
+    if tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
     assert all(isinstance(p, DTensor) for n, p in model.named_parameters() if "norm" not in n)
     _train_and_compare(model, reference, mesh["dp"])
 
@@ -204,7 +206,7 @@ def test_odd_shapes_shard_as_predicted_and_train_like_one_process():
 
 
 @pytest.mark.parametrize(
-    "case", ["unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp"]
+    "case", ["tie across units", "unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp"]
 )
 @on_ranks(4)
 def test_bad_input_raises_a_named_error(case):
@@ -213,7 +215,12 @@ def test_bad_input_raises_a_named_error(case):
     fsdp = dict(min_weight_size=MIN_SIZE)
     if case not in ("fsdp before tp", "tp after fsdp", "checkpoint after fsdp"):
         parallelize_module(model, mesh["tp"], tensor_parallel_plan())
-    if case == "unmatched pattern":
+    if case == "tie across units":
+        model = small_llama(seed=0, tie_embeddings=True)
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan())
+        with pytest.raises(ValueError, match=r"parameter 'tok_embeddings\.weight' is shared \(tied\) with 'output\.weight', but the patterns put them in different FSDP units \('<root>' and 'output'\)"):
+            fully_shard_by_pattern(model, mesh, ["layers.*", "output"], **fsdp)
+    elif case == "unmatched pattern":
         with pytest.raises(ValueError, match=r"fully_shard_by_pattern pattern 'layer\.\*' matched no submodule.*'layers"):
             fully_shard_by_pattern(model, mesh, ["layers.*", "layer.*"], **fsdp)
     elif case == "no dp dim":

@@ -151,6 +151,7 @@ def fully_shard_by_pattern(
     require_before(model, _CALLER, later=("fully_shard",))
     _require_tp_params_on(model, tp_mesh, mesh, tp_dim)
     units = outermost_matches(model, patterns, what=f"{_CALLER} pattern")
+    _require_shared_params_in_one_unit(model, units)
     predictions = _predicted(model, dp_mesh.size(), tp_mesh.size() if tp_mesh is not None else 1, min_weight_size)
     _report_unsharded(predictions)
     ignored = {param for param, placement, _ in predictions.values() if placement == Replicate()}
@@ -209,6 +210,28 @@ def _require_tp_params_on(model: nn.Module, tp_mesh: DeviceMesh | None, mesh: De
                 f"mesh[{tp_dim!r}] of the given mesh {mesh}; apply the TP plan with "
                 f"parallelize_module(model, mesh[{tp_dim!r}], plan) on the same 2-D mesh"
             )
+
+
+def _unit_of(path: str, units: list[str]) -> str:
+    """The FSDP unit that holds the module at ``path``: the matched unit above it, else the root."""
+    return next((unit for unit in units if unit and (path == unit or path.startswith(unit + "."))), "")
+
+
+def _require_shared_params_in_one_unit(model: nn.Module, units: list[str]) -> None:
+    """A parameter shared by several modules (tied embeddings) must fall in one FSDP unit."""
+    seen: dict[int, tuple[str, str]] = {}
+    for module_path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            path = f"{module_path}.{name}" if module_path else name
+            unit = _unit_of(module_path, units)
+            first = seen.setdefault(id(param), (path, unit))
+            if first[1] != unit:
+                raise ValueError(
+                    f"{_CALLER}: parameter {first[0]!r} is shared (tied) with {path!r}, but the patterns put "
+                    f"them in different FSDP units ({first[1] or '<root>'!r} and {unit or '<root>'!r}); FSDP2 "
+                    f"shards a parameter in one unit: choose patterns that keep both modules in one unit "
+                    f"(e.g. leave both to the root)"
+                )
 
 
 def _predicted(model: nn.Module, dp: int, tp: int, min_weight_size: int) -> dict[str, tuple[nn.Parameter, object, str]]:
