@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torch_tp import (
@@ -29,7 +30,16 @@ from torch_tp import (
     save_collectives_and_matmuls,
 )
 from torch_tp.models.llama import Transformer, tensor_parallel_plan
-from torch_tp.testing import TOL, assert_params_and_grads_match, mesh_2x2, on_ranks, small_llama, small_llama_args
+from torch_tp.testing import (
+    TOL,
+    assert_params_and_grads_match,
+    full_tensor,
+    mesh_2x2,
+    on_ranks,
+    small_llama,
+    small_llama_args,
+    tolerance,
+)
 
 ARGS = small_llama_args()
 # small enough that the Llama's matrices shard over dp and its norm weights (32) do not
@@ -111,6 +121,33 @@ def test_1x4_and_4x1_meshes_match_single_process(dp, tp):
         parallelize_module(model, mesh["tp"], tensor_parallel_plan())
     fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_SIZE)
     _train_and_compare(model, reference, dp_mesh, steps=1)
+
+
+@on_ranks(4)
+def test_bfloat16_mixed_precision_computes_in_bfloat16_and_keeps_float32_gradients():
+    # every parameter sharded (min_weight_size=1), so FSDP2 casts them all
+    mesh = mesh_2x2()
+    model = small_llama(seed=0)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=True))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=1, mp_policy=policy)
+    dp_rank = mesh["dp"].get_local_rank()
+    tokens = torch.randint(0, ARGS.vocab_size, (BATCH, 8))
+    targets = torch.randint(0, ARGS.vocab_size, (BATCH, 8))
+    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+    logits = model(tokens[rows])
+    assert logits.dtype == torch.bfloat16
+    loss = _loss(logits.float(), targets[rows])
+    loss.backward()
+    ref_loss = _loss(reference(tokens), targets)
+    ref_loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=mesh["dp"].get_group())
+    torch.testing.assert_close(mean / 2, ref_loss.detach(), **tolerance(torch.bfloat16))
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert param.dtype == param.grad.dtype == torch.float32, name
+        torch.testing.assert_close(full_tensor(param.grad), ref.grad, **tolerance(torch.bfloat16), msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------ predicted = measured
@@ -206,7 +243,7 @@ def test_odd_shapes_shard_as_predicted_and_train_like_one_process():
 
 
 @pytest.mark.parametrize(
-    "case", ["tie across units", "unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp"]
+    "case", ["mixed precision with replicated parameters", "tie across units", "unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp"]
 )
 @on_ranks(4)
 def test_bad_input_raises_a_named_error(case):
@@ -215,7 +252,11 @@ def test_bad_input_raises_a_named_error(case):
     fsdp = dict(min_weight_size=MIN_SIZE)
     if case not in ("fsdp before tp", "tp after fsdp", "checkpoint after fsdp"):
         parallelize_module(model, mesh["tp"], tensor_parallel_plan())
-    if case == "tie across units":
+    if case == "mixed precision with replicated parameters":
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"MixedPrecisionPolicy\(param_dtype=torch.bfloat16\)\): FSDP2 casts only the parameters it shards, and 5 stay replicated .* layers\.0\.attention_norm\.weight \(too small: 32 < min_weight_size 256 elements\)"):
+            fully_shard_by_pattern(model, mesh, "layers.*", mp_policy=bf16, **fsdp)
+    elif case == "tie across units":
         model = small_llama(seed=0, tie_embeddings=True)
         parallelize_module(model, mesh["tp"], tensor_parallel_plan())
         with pytest.raises(ValueError, match=r"parameter 'tok_embeddings\.weight' is shared \(tied\) with 'output\.weight', but the patterns put them in different FSDP units \('<root>' and 'output'\)"):

@@ -131,7 +131,9 @@ def fully_shard_by_pattern(
     Raises:
         ValueError: a pattern matches nothing, the mesh has no ``dp_dim``, ``min_weight_size``
             is not a positive int, the TP parameters are not on ``mesh[tp_dim]`` (or a 2-D mesh
-            has no TP parameters), or a module is already fully sharded.
+            has no TP parameters), a module is already fully sharded, a tied parameter's
+            modules fall in different units, or ``mp_policy`` casts parameters while some
+            stay replicated (FSDP2 does not cast those).
 
     .. note:: Gradients of the replicated parameters are averaged over dp after every
        backward (also under FSDP2's ``set_requires_gradient_sync(False)``): correct with
@@ -154,6 +156,7 @@ def fully_shard_by_pattern(
     _require_shared_params_in_one_unit(model, units)
     predictions = _predicted(model, dp_mesh.size(), tp_mesh.size() if tp_mesh is not None else 1, min_weight_size)
     _report_unsharded(predictions)
+    _require_one_dtype_under_mixed_precision(predictions, mp_policy)
     ignored = {param for param, placement, _ in predictions.values() if placement == Replicate()}
     by_id = {id(param): placement for param, placement, _ in predictions.values()}
     shard_fn = partial(_shard_placement, by_id=by_id)
@@ -255,6 +258,26 @@ def _report_unsharded(predictions: dict) -> None:
         )
     if small:
         _log.info("%s: %d parameter(s) under min_weight_size stay replicated over dp: %s", _CALLER, len(small), small)
+
+
+def _require_one_dtype_under_mixed_precision(predictions: dict, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 casts the parameters it manages to ``param_dtype``, not its ``ignored_params``: a
+    replicated float32 norm weight would promote a bfloat16 block's activations to float32."""
+    dtype = mp_policy.param_dtype
+    if dtype is None:
+        return
+    stuck = [
+        f"{name} ({why})"
+        for name, (param, placement, why) in predictions.items()
+        if placement == Replicate() and param.is_floating_point() and param.dtype != dtype
+    ]
+    if stuck:
+        raise ValueError(
+            f"{_CALLER}(mp_policy=MixedPrecisionPolicy(param_dtype={dtype})): FSDP2 casts only the parameters "
+            f"it shards, and {len(stuck)} stay replicated over dp in their own dtype, which would mix dtypes "
+            f"in forward: {', '.join(stuck[:3])}{', ...' if len(stuck) > 3 else ''}; lower min_weight_size "
+            f"(min_weight_size=1 shards every parameter with a dim divisible by dp) or leave mp_policy out"
+        )
 
 
 def _shard_placement(param: nn.Parameter, *, by_id: dict) -> Shard:
