@@ -155,8 +155,8 @@ def fully_shard_by_pattern(
     units = outermost_matches(model, patterns, what=f"{_CALLER} pattern")
     _require_shared_params_in_one_unit(model, units)
     predictions = _predicted(model, dp_mesh.size(), tp_mesh.size() if tp_mesh is not None else 1, min_weight_size)
-    _report_unsharded(predictions)
     _require_one_dtype_under_mixed_precision(predictions, mp_policy)
+    _report_unsharded(predictions)
     ignored = {param for param, placement, _ in predictions.values() if placement == Replicate()}
     by_id = {id(param): placement for param, placement, _ in predictions.values()}
     shard_fn = partial(_shard_placement, by_id=by_id)
