@@ -24,9 +24,13 @@ from torch_tp.parallel import (
     ShardParameter,
     UnsupportedModuleError,
     VerificationReport,
+    checkpoint_by_pattern,
     explain_plan,
+    fully_shard_by_pattern,
     init_parameters,
     parallelize_module,
+    predict_placements,
+    save_collectives_and_matmuls,
     verify_plan,
 )
 
@@ -46,6 +50,10 @@ def __getattr__(name: str):
 __all__ = [
     "parallelize_module",
     "explain_plan",
+    "fully_shard_by_pattern",
+    "predict_placements",
+    "checkpoint_by_pattern",
+    "save_collectives_and_matmuls",
     "verify_plan",
     "VerificationReport",
     "init_parameters",

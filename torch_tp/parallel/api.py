@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamPar
 
 from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
+from torch_tp.parallel._order import require_before
 from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, planned_placements, resolve_plan, retie
 from torch_tp.parallel.replicate import replicate
@@ -87,6 +88,8 @@ def parallelize_module(
             patterns give one module different styles, the mesh is not 1-D, or a parameter
             is too small to shard over the mesh.
         TypeError: a style is given a module type it cannot handle (the message names the path).
+        ValueError: ``module`` was already checkpointed or fully sharded: TP comes first, then
+            :func:`torch_tp.checkpoint_by_pattern`, then :func:`torch_tp.fully_shard_by_pattern`.
 
     The whole plan is checked before any module changes, so a rejected plan leaves the
     model untouched.
@@ -108,6 +111,7 @@ def parallelize_module(
             stacklevel=2,
         )
         return module
+    require_before(module, "parallelize_module", later=("checkpoint_by_pattern", "fully_shard"))
     mesh = _require_mesh(device_mesh if device_mesh is not None else _current_mesh(), src_data_rank)
     replicate_unplanned_params = rules.flag(replicate_unplanned_params, "replicate_unplanned_params", "parallelize_module")
     try:

@@ -5,12 +5,18 @@ placement the style gives it, the local shape and bytes on every rank, and flags
 or empty shards and modules a style cannot handle. It reads only shapes and dtypes, so
 it works on a model built on the ``meta`` device — check the plan of a model too big
 for one machine before allocating anything — and the mesh may be a plain rank count.
+
+On a 2-D mesh (``("dp", "tp")``, or a mapping ``{"dp": 2, "tp": 4}``) the report is that of
+``parallelize_module`` on the tp axis followed by
+:func:`torch_tp.fully_shard_by_pattern` on the dp axis: each row also carries its dp
+placement as FSDP will choose it (:mod:`torch_tp.parallel.predict`), and the local shapes
+and bytes of every rank of the mesh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -21,7 +27,8 @@ from torch.distributed.tensor.placement_types import Placement
 from torch_tp._layouts import shard_sizes
 from torch_tp.parallel import rules
 from torch_tp.parallel._upstream import UpstreamStyle
-from torch_tp.parallel.plan import resolve_plan
+from torch_tp.parallel.plan import outermost_matches, resolve_plan
+from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
 from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]
@@ -36,7 +43,11 @@ class ParamRow:
 
     ``placement`` is ``None`` for a parameter the plan leaves a plain tensor;
     ``local_shapes`` and ``bytes_per_rank`` have one entry per rank. ``note`` flags
-    uneven or empty shards, or why the style cannot handle the module.
+    uneven or empty shards, or why the style cannot handle the module. On a 2-D mesh,
+    ``placement`` is the tp placement, ``dp_placement`` the dp one (``Shard(d)`` or
+    ``Replicate()``; ``None`` on a 1-D report), the ranks are the mesh's in row-major order
+    (rank ``dp_index * tp + tp_index``), and ``note`` also says why a parameter is not
+    sharded over dp (too small, no divisible dim).
 
     Example::
 
@@ -55,6 +66,7 @@ class ParamRow:
     local_shapes: tuple[tuple[int, ...], ...]
     bytes_per_rank: tuple[int, ...]
     note: str = ""
+    dp_placement: Placement | None = None
 
     @property
     def path(self) -> str:
@@ -75,9 +87,13 @@ class PlanReport:
         (['0.weight', '0.bias'], (80, 80))
     """
 
-    def __init__(self, num_ranks: int, rows: list[ParamRow]):
+    def __init__(self, num_ranks: int, rows: list[ParamRow], *, mesh_axes: dict[str, int] | None = None, fsdp_units: list[str] | None = None):
         self.num_ranks = num_ranks
         self.rows = rows
+        #: ``{"dp": n, "tp": m}`` for a 2-D report (``None``: 1-D, tensor parallel only)
+        self.mesh_axes = mesh_axes
+        #: the module paths FSDP wraps, ``""`` (the root) last; ``None`` without FSDP
+        self.fsdp_units = fsdp_units
 
     def __iter__(self):
         return iter(self.rows)
@@ -106,6 +122,17 @@ class PlanReport:
         """
         return self.bytes_per_rank(EXPERT_STYLES)
 
+    def replicated_over_dp(self) -> list[str]:
+        """On a 2-D report: ``"path: why"`` for each parameter FSDP will not shard over dp.
+
+        Example::
+
+            >>> report = explain_plan(nn.Linear(6, 10), {"dp": 4, "tp": 1}, None, fsdp_patterns=[""], min_weight_size=1)
+            >>> report.replicated_over_dp()
+            ['weight: no divisible dim: (10, 6) has no dim divisible by dp 4', 'bias: no divisible dim: (10,) has no dim divisible by dp 4']
+        """
+        return [f"{row.path}: {row.note}" for row in self.rows if row.name is not None and row.dp_placement == Replicate()]
+
     def problems(self) -> list[str]:
         """Notes that block applying the plan (a style that cannot handle its module)."""
         return [f"{row.path}: {row.note}" for row in self.rows if row.note.startswith("error")]
@@ -114,7 +141,8 @@ class PlanReport:
         return _format_table(self)
 
     def __repr__(self) -> str:
-        return f"PlanReport({len(self.rows)} rows over {self.num_ranks} ranks)"
+        where = f"{self.num_ranks} ranks" if self.mesh_axes is None else " x ".join(f"{n} {k}" for k, n in self.mesh_axes.items())
+        return f"PlanReport({len(self.rows)} rows over {where})"
 
 
 def _dim_sizes(size: int, placement: Placement, num_ranks: int) -> tuple[int, ...]:
@@ -207,6 +235,10 @@ def explain_plan(
     parallelize_plan,
     *,
     replicate_unplanned_params: bool = False,
+    fsdp_patterns: str | list[str] | None = None,
+    min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
+    dp_dim: str = "dp",
+    tp_dim: str = "tp",
 ) -> PlanReport:
     """Report what ``parallelize_module(module, device_mesh, parallelize_plan)`` would do.
 
@@ -218,6 +250,12 @@ def explain_plan(
     (placement ``None``: they stay plain tensors, or ``Replicate()`` with
     ``replicate_unplanned_params=True``).
 
+    A 2-D ``device_mesh`` (a ``DeviceMesh`` with dims ``dp_dim``/``tp_dim``, or a mapping
+    ``{"dp": 2, "tp": 4}``) reports the plan on the tp axis and
+    ``fully_shard_by_pattern(module, mesh, fsdp_patterns, min_weight_size=...)`` on the dp
+    axis (``fsdp_patterns=None``: no FSDP, every parameter replicated over dp); see
+    :func:`torch_tp.predict_placements`.
+
     Example::
 
         >>> from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
@@ -228,6 +266,13 @@ def explain_plan(
         True
         >>> print(report)  # doctest: +SKIP
     """
+    if isinstance(device_mesh, Mapping) or getattr(device_mesh, "ndim", 1) > 1:
+        return _explain_2d(module, device_mesh, parallelize_plan, replicate_unplanned_params, fsdp_patterns, min_weight_size, dp_dim, tp_dim)
+    if fsdp_patterns is not None:
+        raise ValueError(
+            "explain_plan(fsdp_patterns=...) needs a 2-D mesh (a DeviceMesh with dims "
+            f"({dp_dim!r}, {tp_dim!r}) or {{{dp_dim!r}: n, {tp_dim!r}: m}}); a 1-D mesh is the tp axis"
+        )
     rules.require_1d_mesh(device_mesh, "explain_plan")
     num_ranks = rules.mesh_size(device_mesh)
     rows: list[ParamRow] = []
@@ -244,6 +289,49 @@ def explain_plan(
     position = {path: i for i, (path, _) in enumerate(module.named_modules())}
     rows.sort(key=lambda row: position[row.module_path])  # model order; stable within a module
     return PlanReport(num_ranks, rows)
+
+
+# ------------------------------------------------------------------------- 2-D mesh
+
+
+def _explain_2d(module, mesh, plan, replicate_unplanned, fsdp_patterns, min_weight_size, dp_dim, tp_dim) -> PlanReport:
+    """The tp report on the tp axis, each row then split over dp as FSDP will split it."""
+    caller = "explain_plan" if fsdp_patterns is None else "predict_placements"
+    axes = axis_sizes(mesh, dp_dim=dp_dim, tp_dim=tp_dim, caller=caller)
+    min_weight_size = check_min_weight_size(min_weight_size, caller)
+    dp, tp = axes[dp_dim], axes.get(tp_dim, 1)
+    if plan is None:
+        if tp > 1:
+            raise ValueError(f"{caller}: the mesh has a tp dim {tp_dim!r} of size {tp} but no parallelize_plan was given")
+        tp_report = explain_plan(module, 1, {}, replicate_unplanned_params=replicate_unplanned)
+    else:
+        tp_report = explain_plan(module, tp, plan, replicate_unplanned_params=replicate_unplanned)
+    units = None
+    if fsdp_patterns is not None:
+        units = [u for u in outermost_matches(module, fsdp_patterns, what=f"{caller} fsdp pattern") if u] + [""]
+    rows = [_split_over_dp(module, row, dp, tp, min_weight_size if units is not None else None) for row in tp_report]
+    return PlanReport(dp * tp, rows, mesh_axes=axes, fsdp_units=units)
+
+
+def _split_over_dp(root: nn.Module, row: ParamRow, dp: int, tp: int, min_weight_size: int | None) -> ParamRow:
+    """``row`` (tp ranks) on every rank of the (dp, tp) mesh; ``min_weight_size=None``: no FSDP."""
+    if row.name is None:
+        return replace(row, local_shapes=((),) * (dp * tp), bytes_per_rank=(0,) * (dp * tp))
+    if min_weight_size is None:
+        placement, why = Replicate(), ""
+    else:
+        placement, why = predict_dp_placement(row.global_shape, row.placement, dp_size=dp, tp_size=tp, min_weight_size=min_weight_size)
+    dim = rules.sharded_dim(placement)
+    shapes = []
+    for rank in range(dp * tp):
+        shape = list(row.local_shapes[rank % tp])
+        if dim is not None:
+            shape[dim] //= dp
+        shapes.append(tuple(shape))
+    param = root.get_parameter(row.path)
+    nbytes = tuple(_local_bytes(param, shape, row.placement if dim is None else placement) for shape in shapes)
+    note = "; ".join(n for n in (row.note, why) if n)
+    return replace(row, local_shapes=tuple(shapes), bytes_per_rank=nbytes, note=note, dp_placement=placement)
 
 
 # ---------------------------------------------------------------------------- table
@@ -278,14 +366,23 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _placement_cell(row: ParamRow, report: PlanReport) -> str:
+    if row.name is None:
+        return ""
+    if report.mesh_axes is None:
+        return _short(row.placement)
+    return f"({_short(row.dp_placement)}, {_short(row.placement)})"
+
+
 def _format_table(report: PlanReport) -> str:
-    header = ("parameter", "style", "global", "placement", "local shape per rank", "bytes per rank", "note")
+    where = "placement" if report.mesh_axes is None else f"placement ({', '.join(report.mesh_axes)})"
+    header = ("parameter", "style", "global", where, "local shape per rank", "bytes per rank", "note")
     body = [
         (
             row.path,
             row.style,
             str(row.global_shape) if row.name else "",
-            _short(row.placement) if row.name else "",
+            _placement_cell(row, report),
             _per_rank(tuple(str(s) for s in row.local_shapes)) if row.name else "",
             _per_rank(tuple(_human_bytes(b) for b in row.bytes_per_rank)) if row.name else "",
             row.note,
@@ -297,6 +394,8 @@ def _format_table(report: PlanReport) -> str:
     lines.insert(1, "-" * len(lines[0]))
     totals = _per_rank(tuple(_human_bytes(b) for b in report.bytes_per_rank()))
     lines.append(f"parameter bytes per rank: {totals} (rank order)")
+    if report.fsdp_units is not None:
+        lines.append(f"fsdp units: {', '.join(u or '<root>' for u in report.fsdp_units)}")
     if any(row.style in EXPERT_STYLES for row in report):
         experts = _per_rank(tuple(_human_bytes(b) for b in report.expert_bytes_per_rank()))
         lines.append(f"expert parameter bytes per rank: {experts} (rank order)")

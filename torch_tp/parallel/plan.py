@@ -51,6 +51,7 @@ __all__ = [
     "PlanEntry",
     "resolve_plan",
     "match_pattern",
+    "outermost_matches",
     "planned_placements",
     "check_ties",
     "check_whole_units",
@@ -97,6 +98,47 @@ def match_pattern(pattern: str, paths: list[str]) -> list[str]:
     if not _is_glob(pattern):
         return []
     return [path for path in paths if path and fnmatchcase(path, pattern)]
+
+
+def outermost_matches(root: nn.Module, patterns: str | list[str], *, what: str) -> list[str]:
+    """The module paths ``patterns`` select (plan-key glob rules), without those nested in another.
+
+    Strict like a plan: a pattern that matches no module raises ``ValueError`` naming it and
+    the closest paths. A match inside another match is dropped, so ``"layers.*"`` gives each
+    block, not the block's children. ``what`` names the patterns in errors
+    (``"fully_shard_by_pattern pattern"``). Paths come in model order.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+        >>> outermost_matches(model, ["*"], what="pattern")
+        ['0', '1']
+    """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"{what}s must be a non-empty list of module paths or glob patterns (str), got {patterns!r}")
+    paths = [name for name, _ in root.named_modules()]
+    matched: set[str] = set()
+    unmatched = []
+    for pattern in patterns:
+        found = [""] if pattern == "" else match_pattern(pattern, paths)
+        matched.update(found)
+        if not found:
+            unmatched.append(pattern)
+    if unmatched:
+        raise ValueError(
+            "; ".join(
+                f"{what} {p!r} matched no submodule of {type(root).__name__}; closest module paths: "
+                f"{_closest_paths(p, paths)}" for p in unmatched
+            ) + ". Patterns are exact dotted paths or globs over the full path where '*' may cross dots"
+        )
+    return [path for path in paths if path in matched and not _inside_any(path, matched)]
+
+
+def _inside_any(path: str, others: set[str]) -> bool:
+    if path == "":
+        return False
+    return "" in others or any(path.startswith(other + ".") for other in others if other)
 
 
 def _closest_paths(pattern: str, paths: list[str]) -> list[str]:
