@@ -243,7 +243,7 @@ def test_odd_shapes_shard_as_predicted_and_train_like_one_process():
 
 
 @pytest.mark.parametrize(
-    "case", ["mixed precision with replicated parameters", "tie across units", "unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp"]
+    "case", ["mixed precision with replicated parameters", "tie across units", "unmatched pattern", "no dp dim", "min size 0", "min size float", "min size bool", "fsdp before tp", "fsdp twice", "tp after fsdp", "checkpoint after fsdp", "compiled block"]
 )
 @on_ranks(4)
 def test_bad_input_raises_a_named_error(case):
@@ -282,6 +282,10 @@ def test_bad_input_raises_a_named_error(case):
         fully_shard_by_pattern(model, mesh["dp"], "layers.*", **fsdp)
         with pytest.raises(ValueError, match=r"parallelize_module: module '<root>' .* already went through fully_shard; apply the transforms in the order parallelize_module \(TP\), then"):
             parallelize_module(model, mesh["tp"], tensor_parallel_plan())
+    elif case == "compiled block":
+        model.layers[1].compile()
+        with pytest.raises(ValueError, match=r"fully_shard_by_pattern: module 'layers\.1' \(TransformerBlock\) is compiled; in torch .* FSDP2 over compiled blocks trains with wrong gradients"):
+            fully_shard_by_pattern(model, mesh, "layers.*", **fsdp)
     elif case == "checkpoint after fsdp":
         fully_shard_by_pattern(model, mesh["dp"], "layers.*", **fsdp)
         with pytest.raises(ValueError, match=r"checkpoint_by_pattern: module '<root>' .* already went through fully_shard"):
