@@ -107,3 +107,14 @@ def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
     for sharded, single in pairs:  # float32: summation order (and pooling ties) only
         assert abs(float(sharded) - float(single)) <= 1e-4 * max(1.0, abs(float(single)))
     assert "rank 0 logits strip (1, 3, 32, 96) of the image's (1, 3, 32, 192)" in out
+
+
+def test_fsdp_tp_2d_tutorial_predicts_the_bytes_it_holds_and_trains_like_one_process():
+    out = _run("tutorials/fsdp_tp_2d.py")
+    assert "fsdp units: layers.0, layers.1, <root>" in out, out
+    held = re.search(r"rank 0 holds (\d+) parameter bytes \(predicted (\d+)\) of the model's (\d+)", out)
+    assert held and held.group(1) == held.group(2) and int(held.group(1)) < int(held.group(3)) / 3, out
+    pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
+    assert len(pairs) == 3, out
+    for sharded, single in pairs:  # float32: summation order only
+        assert abs(float(sharded) - float(single)) <= 1e-5 * max(1.0, abs(float(single))), (sharded, single)
