@@ -25,6 +25,7 @@ from torch_tp import (
     RowwiseParallel,
     checkpoint_by_pattern,
     fully_shard_by_pattern,
+    init_parameters,
     parallelize_module,
     predict_placements,
     save_collectives_and_matmuls,
@@ -104,6 +105,21 @@ def test_2d_llama_matches_single_process_through_3_adamw_steps(sequence_parallel
     if tie_embeddings:
         assert model.output.weight is model.tok_embeddings.weight
     assert all(isinstance(p, DTensor) for n, p in model.named_parameters() if "norm" not in n)
+    _train_and_compare(model, reference, mesh["dp"])
+
+
+@on_ranks(4)
+def test_meta_built_model_materialized_after_fsdp_trains_like_one_process():
+    # the meta flow: shapes only, TP, FSDP2, then to_empty + init_parameters replace every tensor;
+    # the replicated norms' gradients must still be averaged over dp (a hook on the meta tensors was lost)
+    mesh = mesh_2x2()
+    reference = init_parameters(small_llama(seed=0), seed=3)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=True))
+    fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_SIZE)
+    model.to_empty(device="cpu")
+    init_parameters(model, seed=3)
     _train_and_compare(model, reference, mesh["dp"])
 
 

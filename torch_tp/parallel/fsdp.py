@@ -167,7 +167,8 @@ def fully_shard_by_pattern(
             fully_shard(model.get_submodule(path), **options)
     fully_shard(model, **options)
     if dp_mesh.size() > 1:
-        _average_grads_over_dp(ignored, dp_mesh.get_group())
+        names = [name for name, (param, placement, _) in predictions.items() if placement == Replicate()]
+        _average_grads_over_dp(model, names, dp_mesh.get_group())
     return model
 
 
@@ -313,9 +314,25 @@ def _average_grad_hook(param: torch.Tensor, *, group: dist.ProcessGroup, size: i
     local.div_(size)
 
 
-def _average_grads_over_dp(params: set[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """After each backward, average the gradients of the replicated parameters over dp."""
+def _average_grads_over_dp(model: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
+    """After each backward, average the gradients of the replicated parameters over dp.
+
+    The hooks are put on the parameters the model holds at each forward (the old ones
+    removed): ``model.to_empty(...)`` (the ``meta`` flow) and ``load_state_dict(assign=True)``
+    replace or swap the parameter tensors after ``fully_shard_by_pattern``, and a hook left on
+    the old tensor would leave the new one's gradient un-averaged, each dp rank then training
+    its own copy (found on the demo's ``meta`` flow).
+    """
     size = dist.get_world_size(group)
-    for param in params:
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(partial(_average_grad_hook, group=group, size=size))
+    hook = partial(_average_grad_hook, group=group, size=size)
+    handles: dict[str, object] = {}
+
+    def hook_current_parameters(module: nn.Module, args: tuple) -> None:
+        for name in names:
+            param = module.get_parameter(name)
+            if name in handles:
+                handles.pop(name).remove()
+            if param.requires_grad:
+                handles[name] = param.register_post_accumulate_grad_hook(hook)
+
+    model.register_forward_pre_hook(hook_current_parameters)

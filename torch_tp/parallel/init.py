@@ -74,7 +74,8 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _full_size_twin(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` whose own tensors are fresh full-size CPU tensors, no children."""
-    twin = module.__new__(type(module))
+    cls = _unwrapped_class(module)
+    twin = cls.__new__(cls)
     twin.__dict__ = dict(module.__dict__)
     twin._parameters = {  # None entries (Linear(bias=False)) stay None
         name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
@@ -85,6 +86,22 @@ def _full_size_twin(module: nn.Module) -> nn.Module:
     }
     twin._modules = {}
     return twin
+
+
+def _unwrapped_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2 swaps in a subclass ``FSDP<Name>(FSDPModule, <Name>)``
+    whose ``__new__`` runs ``__init__``; the twin needs only the module's ``reset_parameters``.
+
+    Example:
+        >>> _unwrapped_class(nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule) and base is not object)
+    return cls
 
 
 def _storage_address(t: torch.Tensor) -> int:
