@@ -57,6 +57,20 @@ def test_main_job_with_overlap_trains_like_one_process_with_fused_collectives():
     ) in out, out
 
 
+def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_like_one_process():
+    out = _run("-m", "torch_tp.demo", "--nproc", "4", "--dp", "2", "--steps", "12")
+    assert "4 ranks (gloo), 2-D: FSDP2 over dp 2 x tensor + sequence parallel over tp 2, 12 steps" in out, out
+    assert "fsdp units: layers.0, layers.1, <root>" in out and "too small: 64 < min_weight_size 1024" in out, out
+    worst = float(re.search(r"max relative difference (\S+) over 12 steps", out).group(1))
+    assert "loss curve matches the single-process run" in out and worst <= 1e-5, out
+    held = re.search(r"parameter bytes per rank: (.*) \(predicted: (.*)\)", out)
+    assert [int(b.split(": ")[1]) for b in held.group(1).split(", ")] == [int(b) for b in held.group(2).split(", ")], out
+    rows = re.findall(r"rank (\d): parameters (\d+), gradients (\d+), optimizer state (\d+), saved activations (\d+)", out)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3], out
+    for _, params, grads, state, saved in rows:  # AdamW: two moments per element (plus its step counts)
+        assert int(grads) == int(params) and 2 * int(params) <= int(state) and int(saved) > 0, out
+
+
 def test_llama_tutorial_runs_from_meta_device_to_training():
     out = _run("tutorials/llama_tensor_parallel.py")
     assert "output.weight" in out and "step 9: loss" in out

@@ -1,16 +1,21 @@
 """The main job: a Llama-style model, built on ``meta``, trained with tensor + sequence parallelism.
 
 ``python -m torch_tp.demo`` spawns 2 CPU ranks with gloo (``--nproc N`` for more;
-``--overlap`` fuses the sequence-parallel collectives into the matmuls). Under
-``torchrun`` it uses the launcher's ranks, with NCCL when CUDA is available::
+``--overlap`` fuses the sequence-parallel collectives into the matmuls; ``--dp D`` trains in
+2-D, FSDP2 over ``D`` data-parallel ranks × tensor parallelism over the rest, e.g.
+``--nproc 4 --dp 2``). Under ``torchrun`` it uses the launcher's ranks, with NCCL when CUDA
+is available::
 
     torchrun --nproc-per-node 2 -m torch_tp.demo
 
 Steps: build the model on the ``meta`` device (no memory), print the ``explain_plan``
-table, parallelize it (TP + SP), materialize each rank's shards with ``init_parameters``,
-train on a synthetic task with a progress bar, then train the same model in one process
-and check that the loss curves match; finally print each rank's parameter bytes and the
-collectives of one training step.
+table (with ``--dp``, the 2-D one of ``predict_placements``), parallelize it (TP + SP; with
+``--dp``, then FSDP2 over dp by pattern), materialize each rank's shards with
+``init_parameters``, train on a synthetic task with a progress bar (each dp rank on its rows
+of the batch), then train the same model in one process on the whole batches and check that
+the loss curves match; finally print each rank's parameter bytes, its memory (parameters,
+gradients, optimizer state, activations saved for backward, measured) and the collectives
+of one training step.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from torch_tp import explain_plan, init_parameters, parallelize_module
+from torch_tp import explain_plan, fully_shard_by_pattern, init_parameters, parallelize_module, predict_placements
 from torch_tp.launch import launch, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
@@ -42,14 +48,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--overlap", action="store_true",
         help="fuse the sequence-parallel all-gathers/reduce-scatters into the matmuls (torch_tp.overlap)",
     )
+    parser.add_argument(
+        "--dp", type=int, default=1,
+        help="data-parallel ranks: FSDP2 over dp x tensor parallelism over nproc/dp (2-D; default 1: TP only)",
+    )
     options = parser.parse_args(argv)
     if options.overlap and options.no_sequence_parallel:
         parser.error("--overlap fuses the sequence-parallel collectives; drop --no-sequence-parallel")
+    if options.dp < 1:
+        parser.error(f"--dp must be at least 1, got {options.dp}")
     return options
 
 
-def _model_args(world: int) -> ModelArgs:
-    return ModelArgs(dim=64, n_layers=2, n_heads=2 * world, vocab_size=128, ffn_hidden=32 * world, max_seq_len=64)
+#: with --dp, parameters this small stay whole on every dp rank (the norms)
+MIN_WEIGHT_SIZE = 1024
+BATCH = 4
+
+
+def _model_args(tp: int) -> ModelArgs:
+    return ModelArgs(dim=64, n_layers=2, n_heads=2 * tp, vocab_size=128, ffn_hidden=32 * tp, max_seq_len=64)
 
 
 def _batches(args: ModelArgs, steps: int, world: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -57,7 +74,7 @@ def _batches(args: ModelArgs, steps: int, world: int, device) -> list[tuple[torc
     generator = torch.Generator().manual_seed(SEED)
     batches = []
     for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (4, 8 * world), generator=generator)
+        tokens = torch.randint(0, args.vocab_size, (BATCH, 8 * world), generator=generator)
         targets = (5 * tokens + 3) % args.vocab_size
         batches.append((tokens.to(device), targets.to(device)))
     return batches
@@ -73,7 +90,9 @@ def _progress(step: int, total: int, loss: float, width: int = 30) -> None:
         print(line, flush=True)
 
 
-def _train(model, batches, *, show_progress: bool) -> list[float]:
+def _train(model, batches, *, show_progress: bool, dp_group=None) -> list[float]:
+    """Train; with ``dp_group``, ``batches`` are this dp rank's rows and the losses recorded are
+    the dp average (the whole batch's)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step, (tokens, targets) in enumerate(batches, start=1):
@@ -81,10 +100,61 @@ def _train(model, batches, *, show_progress: bool) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(_batch_loss(loss.detach(), dp_group))
         if show_progress:
             _progress(step, len(batches), losses[-1])
+    _train.optimizer = optimizer  # for the memory report
     return losses
+
+
+def _batch_loss(loss: torch.Tensor, dp_group) -> float:
+    if dp_group is None:
+        return loss.item()
+    total = loss.clone()
+    dist.all_reduce(total, group=dp_group)
+    return total.item() / dist.get_world_size(dp_group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _memory_of(model, optimizer, batch) -> dict[str, int]:
+    """This rank's bytes: parameters, gradients (of one step), AdamW state, and the activations
+    autograd saves for backward in one forward (distinct storages, counted as they are saved)."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    tokens, targets = batch
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        local = _local(t)
+        if type(local) not in (torch.Tensor, nn.Parameter) or local.is_meta:
+            return t
+        storage = local.untyped_storage()
+        # weights are not activations: under FSDP2 a unit's parameters are its gathered ones
+        # while it runs, so they are read from the model at each save
+        weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        if storage.nbytes() and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    memory = {
+        "parameters": _bytes(model.parameters()),
+        "gradients": _bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer state": _bytes(state),
+        "saved activations": sum(saved.values()),
+    }
+    model.zero_grad()
+    return memory
 
 
 def _collectives_of_one_step(model, batch) -> str:
@@ -102,10 +172,6 @@ def _collectives_of_one_step(model, batch) -> str:
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
 
 
-def _local_param_bytes(model) -> int:
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-
-
 def _single_process_losses(args, batches, device) -> list[float]:
     reference = Transformer(args).to(device)
     init_parameters(reference, seed=SEED)
@@ -116,31 +182,51 @@ def _compare(losses: list[float], ref_losses: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
 
 
+def _mesh(world: int, dp: int, device):
+    if world % dp:
+        raise SystemExit(f"--dp {dp} must divide the {world} ranks (dp x tp)")
+    return init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "tp"))
+
+
 def _run(options: argparse.Namespace) -> None:
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     say = print if rank == 0 else (lambda *a, **k: None)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    dp = options.dp
+    mesh = _mesh(world, dp, device)
+    tp = world // dp
     sequence_parallel = not options.no_sequence_parallel
     plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, overlap=options.overlap)
-    args = _model_args(world)
+    args = _model_args(tp)
     mode = "tensor + sequence parallel" if sequence_parallel else "tensor parallel"
     if options.overlap:
         mode += ", overlapped (fused all-gather+matmul, matmul+reduce-scatter)"
+    if dp > 1:
+        mode = f"2-D: FSDP2 over dp {dp} x {mode} over tp {tp}"
     say(f"torch_tp demo: {world} ranks ({dist.get_backend()}), {mode}, {options.steps} steps\n")
 
     with torch.device("meta"):
         model = Transformer(args)
-    say(explain_plan(model, mesh["tp"], plan), end="\n\n")
+    if dp > 1:
+        report = predict_placements(model, mesh, plan, "layers.*", min_weight_size=MIN_WEIGHT_SIZE)
+    else:
+        report = explain_plan(model, mesh["tp"], plan)
+    say(report, end="\n\n")
     parallelize_module(model, mesh["tp"], plan)
+    if dp > 1:
+        fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_WEIGHT_SIZE)
     model.to_empty(device=device)
     init_parameters(model, seed=SEED)
 
-    batches = _batches(args, options.steps, world, device)
+    batches = _batches(args, options.steps, tp, device)
+    dp_rank = mesh["dp"].get_local_rank()
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    mine = [(tokens[rows], targets[rows]) for tokens, targets in batches]
     say("training:")
-    losses = _train(model, batches, show_progress=rank == 0)
-    collectives = _collectives_of_one_step(model, batches[0])
-    param_bytes = [None] * world
-    dist.all_gather_object(param_bytes, _local_param_bytes(model))
+    losses = _train(model, mine, show_progress=rank == 0, dp_group=mesh["dp"].get_group() if dp > 1 else None)
+    memory = _memory_of(model, _train.optimizer, mine[0])
+    collectives = _collectives_of_one_step(model, mine[0])
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, memory)
 
     verdict = [None]
     if rank == 0:
@@ -152,7 +238,11 @@ def _run(options: argparse.Namespace) -> None:
     ok = worst <= LOSS_RTOL
     say(f"loss curve {'matches' if ok else 'DOES NOT match'} the single-process run "
         f"(max relative difference {worst:.1e} over {len(losses)} steps)")
-    say("parameter bytes per rank: " + ", ".join(f"rank {r}: {b}" for r, b in enumerate(param_bytes)))
+    say("parameter bytes per rank: " + ", ".join(f"rank {r}: {m['parameters']}" for r, m in enumerate(per_rank))
+        + f" (predicted: {', '.join(map(str, report.bytes_per_rank()))})")
+    say("memory per rank (bytes; measured):")
+    for r, m in enumerate(per_rank):
+        say(f"  rank {r}: " + ", ".join(f"{name} {value}" for name, value in m.items()) + f", total {sum(m.values())}")
     say(f"collectives per training step (forward + backward): {collectives}")
     if not ok:
         sys.exit(1)
