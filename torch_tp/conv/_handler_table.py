@@ -86,3 +86,87 @@ class HandlerTable:
             yield
         finally:
             self.uninstall()
+
+    def public_functions(self, context_name: str, what: str) -> tuple[Callable[..., Any], ...]:
+        """``(install, uninstall, is_installed, <context_name>)`` for the owning module, documented:
+        each ``torch_tp.conv`` module exposes its table through these four, defined in one line.
+
+        Example:
+            >>> import torch
+            >>> op = torch.ops.aten.hardtanh_backward.default
+            >>> table = HandlerTable("example", {op: lambda op_call, args, kwargs: None})
+            >>> install, uninstall, is_installed, handled = table.public_functions("handled", "example")
+            >>> with handled():
+            ...     print(is_installed(), handled.__name__)
+            True handled
+        """
+        owner = self.owner
+
+        def install() -> None:
+            self.install()
+
+        def uninstall() -> None:
+            self.uninstall()
+
+        def is_installed() -> bool:
+            return self.is_installed()
+
+        @contextlib.contextmanager
+        def installed() -> Iterator[None]:
+            with self.installed():
+                yield
+
+        docs = {
+            install: f"""Put the {what} handlers into DTensor's custom op handler table.
+
+            Nests: each :func:`install` remembers the entries it replaced, and the matching
+            :func:`uninstall` puts exactly those back (in torch 2.13: none, removed).
+
+            Example::
+
+                >>> from {owner} import install, is_installed, uninstall
+                >>> install(); is_installed()
+                True
+                >>> uninstall(); is_installed()
+                False
+            """,
+            uninstall: f"""Restore the entries the latest :func:`install` replaced.
+
+            Raises:
+                RuntimeError: no :func:`install` is outstanding.
+
+            Example::
+
+                >>> from {owner} import uninstall
+                >>> uninstall()
+                Traceback (most recent call last):
+                RuntimeError: {owner}.uninstall() without a matching install()
+            """,
+            is_installed: f"""Whether DTensor's table maps every {what} op to these handlers now.
+
+            Example::
+
+                >>> from {owner} import is_installed, {context_name}
+                >>> with {context_name}():
+                ...     print(is_installed())
+                True
+            """,
+            installed: f"""Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
+
+            Example::
+
+                >>> from {owner} import is_installed, {context_name}
+                >>> with {context_name}():
+                ...     pass
+                >>> is_installed()
+                False
+            """,
+        }
+        for function, doc in docs.items():
+            function.__doc__ = doc
+            function.__module__ = owner
+        installed.__name__ = installed.__qualname__ = context_name
+        for function in (install, uninstall, is_installed):
+            function.__qualname__ = function.__name__
+        return install, uninstall, is_installed, installed
+

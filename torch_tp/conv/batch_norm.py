@@ -47,9 +47,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -369,73 +368,4 @@ _TABLE = HandlerTable("torch_tp.conv.batch_norm", {
     aten.native_batch_norm.default: batch_norm_handler,
     aten.native_batch_norm_backward.default: batch_norm_backward_handler,
 })
-
-
-def install() -> None:
-    """Put the sharded batch-norm handlers into DTensor's custom op handler table.
-
-    Nests: each :func:`install` remembers the entries it replaced, and the matching
-    :func:`uninstall` puts exactly those back.
-
-    Example:
-        >>> from torch_tp.conv import batch_norm
-        >>> batch_norm.install()
-        >>> batch_norm.is_installed()
-        True
-        >>> batch_norm.uninstall()
-        >>> batch_norm.is_installed()
-        False
-    """
-    _TABLE.install()
-
-
-def uninstall() -> None:
-    """Restore the entries the latest :func:`install` replaced (none in torch 2.13: removed).
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
-
-    Example:
-        >>> import torch
-        >>> from torch.distributed.tensor import DTensor
-        >>> from torch_tp.conv import batch_norm
-        >>> table = DTensor._op_dispatcher._custom_op_handlers
-        >>> op = torch.ops.aten.native_batch_norm.default
-        >>> before = table.get(op)
-        >>> batch_norm.install(); batch_norm.uninstall()
-        >>> table.get(op) is before
-        True
-    """
-    _TABLE.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether DTensor's table currently maps both batch-norm ops to these handlers.
-
-    Example:
-        >>> from torch_tp.conv.batch_norm import is_installed, sharded_batch_norm
-        >>> with sharded_batch_norm():
-        ...     print(is_installed())
-        True
-        >>> is_installed()
-        False
-    """
-    return _TABLE.is_installed()
-
-
-@contextlib.contextmanager
-def sharded_batch_norm() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.batch_norm import is_installed, sharded_batch_norm
-        >>> try:
-        ...     with sharded_batch_norm():
-        ...         raise KeyError("boom")
-        ... except KeyError:
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    with _TABLE.installed():
-        yield
+install, uninstall, is_installed, sharded_batch_norm = _TABLE.public_functions("sharded_batch_norm", "batch norm")

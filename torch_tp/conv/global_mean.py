@@ -31,9 +31,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -92,60 +91,4 @@ def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
 # --------------------------------------------------------------------------------------------
 
 _TABLE = HandlerTable("torch_tp.conv.global_mean", {aten.mean.dim: mean_handler, aten.mean.default: mean_handler})
-
-
-def install() -> None:
-    """Put :func:`mean_handler` into DTensor's custom op handler table for both ``mean`` ops (nests).
-
-    Example:
-        >>> from torch_tp.conv import global_mean
-        >>> global_mean.install()
-        >>> global_mean.is_installed()
-        True
-        >>> global_mean.uninstall()
-        >>> global_mean.is_installed()
-        False
-    """
-    _TABLE.install()
-
-
-def uninstall() -> None:
-    """Restore the entry the latest :func:`install` replaced.
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
-
-    Example:
-        >>> from torch_tp.conv import global_mean
-        >>> global_mean.uninstall()
-        Traceback (most recent call last):
-        RuntimeError: torch_tp.conv.global_mean.uninstall() without a matching install()
-    """
-    _TABLE.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether DTensor's table maps both ``mean`` ops to :func:`mean_handler` now.
-
-    Example:
-        >>> from torch_tp.conv.global_mean import is_installed, sharded_mean
-        >>> with sharded_mean():
-        ...     print(is_installed())
-        True
-    """
-    return _TABLE.is_installed()
-
-
-@contextlib.contextmanager
-def sharded_mean() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.global_mean import is_installed, sharded_mean
-        >>> with sharded_mean():
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    with _TABLE.installed():
-        yield
+install, uninstall, is_installed, sharded_mean = _TABLE.public_functions("sharded_mean", "mean")

@@ -35,8 +35,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,60 +152,4 @@ def constant_pad_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
 # --------------------------------------------------------------------------------------------
 
 _TABLE = HandlerTable("torch_tp.conv.padding", {aten.constant_pad_nd.default: constant_pad_handler})
-
-
-def install() -> None:
-    """Put :func:`constant_pad_handler` into DTensor's custom op handler table (nests).
-
-    Example:
-        >>> from torch_tp.conv import padding
-        >>> padding.install()
-        >>> padding.is_installed()
-        True
-        >>> padding.uninstall()
-        >>> padding.is_installed()
-        False
-    """
-    _TABLE.install()
-
-
-def uninstall() -> None:
-    """Restore the entry the latest :func:`install` replaced.
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
-
-    Example:
-        >>> from torch_tp.conv import padding
-        >>> padding.uninstall()
-        Traceback (most recent call last):
-        RuntimeError: torch_tp.conv.padding.uninstall() without a matching install()
-    """
-    _TABLE.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether DTensor's table maps ``aten.constant_pad_nd`` to :func:`constant_pad_handler` now.
-
-    Example:
-        >>> from torch_tp.conv.padding import is_installed, sharded_padding
-        >>> with sharded_padding():
-        ...     print(is_installed())
-        True
-    """
-    return _TABLE.is_installed()
-
-
-@contextlib.contextmanager
-def sharded_padding() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.padding import is_installed, sharded_padding
-        >>> with sharded_padding():
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    with _TABLE.installed():
-        yield
+install, uninstall, is_installed, sharded_padding = _TABLE.public_functions("sharded_padding", "constant padding")

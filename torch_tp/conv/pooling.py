@@ -58,10 +58,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -573,73 +572,4 @@ _TABLE = HandlerTable("torch_tp.conv.pooling", {
                      aten.max_pool1d_with_indices.default, aten.avg_pool1d.default,
                      aten.adaptive_max_pool1d.default], _decompose_handler),
 })
-
-
-def install() -> None:
-    """Put the sharded pooling handlers into DTensor's custom op handler table.
-
-    Nests: each :func:`install` remembers the entries it replaced, and the matching
-    :func:`uninstall` puts exactly those back.
-
-    Example:
-        >>> from torch_tp.conv import pooling
-        >>> pooling.install()
-        >>> pooling.is_installed()
-        True
-        >>> pooling.uninstall()
-        >>> pooling.is_installed()
-        False
-    """
-    _TABLE.install()
-
-
-def uninstall() -> None:
-    """Restore the entries the latest :func:`install` replaced (none in torch 2.13: removed).
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
-
-    Example:
-        >>> import torch
-        >>> from torch.distributed.tensor import DTensor
-        >>> from torch_tp.conv import pooling
-        >>> table = DTensor._op_dispatcher._custom_op_handlers
-        >>> op = torch.ops.aten.max_pool2d_with_indices.default
-        >>> before = table.get(op)
-        >>> pooling.install(); pooling.uninstall()
-        >>> table.get(op) is before
-        True
-    """
-    _TABLE.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether DTensor's table currently maps every pooling op above to these handlers.
-
-    Example:
-        >>> from torch_tp.conv.pooling import is_installed, sharded_pooling
-        >>> with sharded_pooling():
-        ...     print(is_installed())
-        True
-        >>> is_installed()
-        False
-    """
-    return _TABLE.is_installed()
-
-
-@contextlib.contextmanager
-def sharded_pooling() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.pooling import is_installed, sharded_pooling
-        >>> try:
-        ...     with sharded_pooling():
-        ...         raise KeyError("boom")
-        ... except KeyError:
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    with _TABLE.installed():
-        yield
+install, uninstall, is_installed, sharded_pooling = _TABLE.public_functions("sharded_pooling", "pooling")

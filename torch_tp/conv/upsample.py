@@ -41,9 +41,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -348,73 +347,4 @@ _TABLE = HandlerTable("torch_tp.conv.upsample", {
     **{op: upsample_handler for op in _UPSAMPLE},
     **{op: upsample_backward_handler for op in _UPSAMPLE_BACKWARD},
 })
-
-
-def install() -> None:
-    """Put the sharded upsample handlers into DTensor's custom op handler table.
-
-    Nests: each :func:`install` remembers the entries it replaced, and the matching
-    :func:`uninstall` puts exactly those back.
-
-    Example:
-        >>> from torch_tp.conv import upsample
-        >>> upsample.install()
-        >>> upsample.is_installed()
-        True
-        >>> upsample.uninstall()
-        >>> upsample.is_installed()
-        False
-    """
-    _TABLE.install()
-
-
-def uninstall() -> None:
-    """Restore the entries the latest :func:`install` replaced (in torch 2.13: none, removed).
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
-
-    Example:
-        >>> import torch
-        >>> from torch.distributed.tensor import DTensor
-        >>> from torch_tp.conv import upsample
-        >>> table = DTensor._op_dispatcher._custom_op_handlers
-        >>> op = torch.ops.aten.upsample_bilinear2d.default
-        >>> before = table.get(op)
-        >>> upsample.install(); upsample.uninstall()
-        >>> table.get(op) is before
-        True
-    """
-    _TABLE.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether DTensor's table currently maps every upsample op here to these handlers.
-
-    Example:
-        >>> from torch_tp.conv.upsample import is_installed, sharded_upsampling
-        >>> with sharded_upsampling():
-        ...     print(is_installed())
-        True
-        >>> is_installed()
-        False
-    """
-    return _TABLE.is_installed()
-
-
-@contextlib.contextmanager
-def sharded_upsampling() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.upsample import is_installed, sharded_upsampling
-        >>> try:
-        ...     with sharded_upsampling():
-        ...         raise KeyError("boom")
-        ... except KeyError:
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    with _TABLE.installed():
-        yield
+install, uninstall, is_installed, sharded_upsampling = _TABLE.public_functions("sharded_upsampling", "upsampling")
