@@ -103,6 +103,16 @@ def test_squeeze_excite_on_uneven_strips_gathers_nothing_and_matches_one_process
     assert_params_and_grads_match(block, ref)
 
 
+@on_ranks(2)
+def test_integer_input_is_refused_as_aten_refuses_it():
+    ids = distribute_tensor(torch.arange(12).view(2, 6), tp_mesh(), [Shard(1)], src_data_rank=None)
+    with pytest.raises(RuntimeError) as plain:
+        torch.arange(12).view(2, 6).mean(1)
+    with sharded_mean(), pytest.raises(RuntimeError) as sharded:
+        ids.mean(1)
+    assert str(sharded.value) == str(plain.value)
+
+
 def test_install_nests_and_restores():
     assert not global_mean.is_installed()
     with sharded_mean():

@@ -78,6 +78,8 @@ def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     else:
         x, dim, keepdim, dtype = _bind(args, kwargs, ("input", "dim", "keepdim", "dtype"))
     out_dtype = dtype or x.dtype
+    if not (out_dtype.is_floating_point or out_dtype.is_complex):
+        torch.empty((), dtype=out_dtype, device="meta").mean()  # raises aten's own error, on every rank
     accumulate = torch.float32 if out_dtype in _HALF_TYPES else out_dtype
     dims = _reduced_dims(x.ndim, dim)
     count = math.prod(x.shape[d] for d in dims)
