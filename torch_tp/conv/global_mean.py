@@ -79,7 +79,7 @@ def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         x, dim, keepdim, dtype = _bind(args, kwargs, ("input", "dim", "keepdim", "dtype"))
     out_dtype = dtype or x.dtype
     if not (out_dtype.is_floating_point or out_dtype.is_complex):
-        torch.empty((), dtype=out_dtype, device="meta").mean()  # raises aten's own error, on every rank
+        torch.zeros(1, dtype=out_dtype).mean(0)  # raises aten's own error (its text), on every rank
     accumulate = torch.float32 if out_dtype in _HALF_TYPES else out_dtype
     dims = _reduced_dims(x.ndim, dim)
     count = math.prod(x.shape[d] for d in dims)
