@@ -1,0 +1,49 @@
+"""Smoke test of ``benchmarks/fsdp_tp.py --quick``: it runs and prints its two tables.
+
+Times are machine noise here and are not asserted beyond being positive. Asserted: every
+variant matched one process before being measured; the measured parameter bytes per rank
+equal the prediction; TP, FSDP and 2-D hold the same bytes (the matrices split four ways, the norms whole); FSDP's
+gradients and AdamW state are sharded like its parameters; full recompute saves fewer
+activations and re-runs collectives, the selective policy re-runs none.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from torch_tp.testing import markdown_tables
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
+pytestmark = pytest.mark.slow
+
+COLUMNS = ["variant", "params KiB", "predicted", "grads KiB", "AdamW KiB", "sent KiB", "collectives", "step ms", "loss Δ"]
+AC_COLUMNS = ["checkpointing", "peak MiB", "peak activations MiB", "activations vs none", "collectives", "sent KiB"]
+
+
+def test_quick_benchmark_predicts_the_bytes_it_measures_and_checkpointing_saves_activations():
+    done = subprocess.run([sys.executable, "benchmarks/fsdp_tp.py", "--quick"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    out = done.stdout
+    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    variants, checkpointing = markdown_tables(out)
+    assert variants[0]["__header__"] == COLUMNS and checkpointing[0]["__header__"] == AC_COLUMNS, out
+    rows = {r["variant"]: r for r in variants}
+    assert list(rows) == ["TP 1x4", "FSDP 4x1", "2-D 2x2"], out
+    whole = None
+    for name, r in rows.items():
+        assert float(r["loss Δ"]) <= 1e-5 and float(r["step ms"]) > 0 and float(r["sent KiB"]) > 0, (name, out)
+        assert r["params KiB"] == r["predicted"], (name, out)  # measured = predicted
+        whole = whole or float(r["params KiB"])
+        assert float(r["params KiB"]) == whole, (name, out)  # matrices split 4 ways, norms whole in all three
+        assert float(r["AdamW KiB"]) >= 2 * float(r["params KiB"]), (name, out)  # two moments per element
+    for name in ("FSDP 4x1", "2-D 2x2"):  # FSDP2 reduce-scatters gradients to the parameters' shards
+        assert rows[name]["grads KiB"] == rows[name]["params KiB"], (name, out)
+    assert rows["TP 1x4"]["collectives"] == "11AG+10RS", out  # TP+SP: per block 2 AG + 2 RS each way, the head
+    ac = {r["checkpointing"]: r for r in checkpointing}
+    assert list(ac) == ["none", "full", "selective"], out
+    assert float(ac["full"]["peak activations MiB"]) < float(ac["selective"]["peak activations MiB"]) <= float(
+        ac["none"]["peak activations MiB"]), out
+    assert ac["selective"]["collectives"] == ac["none"]["collectives"] != ac["full"]["collectives"], out
