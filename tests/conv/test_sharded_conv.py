@@ -335,3 +335,19 @@ def test_context_manager_restores_on_exceptions():
             with sharded_convolution():
                 raise KeyError("boom")
     assert all(a is b for a, b in zip(_entries(), before, strict=True))
+
+
+@on_ranks(2)
+def test_a_kernel_failing_while_halos_are_in_flight_raises_and_the_group_keeps_working():
+    # dtypes that disagree pass the layout checks and fail in the local kernel, after the
+    # overlapped exchange has started: it is waited for before the error leaves the handler
+    mesh = tp_mesh()
+    x = torch.randn(1, 2, 4, 16)
+    w = torch.randn(3, 2, 3, 3)
+    dx64 = _local(x.double(), mesh, [Shard(3)])
+    dw = _local(w, mesh, [Replicate()])
+    with sharded_convolution(), halo_overlap(True):
+        with pytest.raises(RuntimeError):
+            F.conv2d(dx64, dw, padding=1)
+        y = F.conv2d(_local(x, mesh, [Shard(3)]), dw, padding=1)  # the next exchange pairs up as usual
+    torch.testing.assert_close(y.full_tensor(), F.conv2d(x, w, padding=1), atol=1e-5, rtol=1e-5)

@@ -13,8 +13,9 @@ geometry alone, the bytes each rank sends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -93,9 +94,26 @@ class _Transfer:
     tensors: list
 
     def wait(self) -> None:
+        """Wait for every op (again: no-op), then let the tensors go."""
         for work in self.works:
             work.wait()
+        self.works.clear()
         self.tensors.clear()
+
+
+@contextlib.contextmanager
+def _settled_on_error(flights: list) -> Iterator[list]:
+    """Yield ``flights``, a list to put started exchanges (``_HalosInFlight`` /
+    ``_GradientsInFlight``) in; if the code inside raises, wait for them before the error
+    propagates. An exchange left in flight would have the backend write into buffers Python
+    frees with the failing frame (heap corruption, seen later and elsewhere). Every rank
+    started the same exchanges before its local compute, so the wait completes."""
+    try:
+        yield flights
+    except BaseException:
+        for flight in flights:
+            flight.transfer.wait()
+        raise
 
 
 def _start_transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> _Transfer:

@@ -44,6 +44,7 @@ from torch_tp.conv.halo import (
     _exchange_forward,
     _exchange_start,
     _resolve_neighbours,
+    _settled_on_error,
 )
 
 __all__ = [
@@ -230,19 +231,20 @@ def _overlapped(x_local: torch.Tensor, plan: _Plan, conv: Any, *, stride: int, s
     """
     w, d = plan.window, plan.spatial_dim
     flight = _exchange_start(x_local, *_exchange_args(plan))
-    local_in = x_local.new_empty(_local_shape(x_local, plan))
-    _zero_edges(local_in, d, w)
-    _place(local_in, d, w, w.recv_left, x_local)
-    j0, j1 = w.interior_outputs(stride, span)
+    with _settled_on_error([flight]):  # a failing kernel must not strand the halos in flight
+        local_in = x_local.new_empty(_local_shape(x_local, plan))
+        _zero_edges(local_in, d, w)
+        _place(local_in, d, w, w.recv_left, x_local)
+        j0, j1 = w.interior_outputs(stride, span)
 
-    def outputs(first: int, stop: int) -> Optional[torch.Tensor]:  # local outputs [first, stop)
-        if stop <= first:
-            return None
-        return conv(local_in.narrow(d, first * stride, (stop - 1 - first) * stride + span + 1))
+        def outputs(first: int, stop: int) -> Optional[torch.Tensor]:  # local outputs [first, stop)
+            if stop <= first:
+                return None
+            return conv(local_in.narrow(d, first * stride, (stop - 1 - first) * stride + span + 1))
 
-    interior = outputs(j0, j1)
-    _place_halos(local_in, plan, flight)
-    pieces = [p for p in (outputs(0, j0), interior, outputs(j1, w.out_size)) if p is not None]
+        interior = outputs(j0, j1)
+        _place_halos(local_in, plan, flight)
+        pieces = [p for p in (outputs(0, j0), interior, outputs(j1, w.out_size)) if p is not None]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
 
 
@@ -445,16 +447,18 @@ def _backward_overlapped(x_local: torch.Tensor, plan: _Plan, conv_backward: Any,
     """
     d = plan.spatial_dim
     flight = _exchange_start(x_local, *_exchange_args(plan)) if mask[1] else None
-    local_in = x_local.new_empty(_local_shape(x_local, plan))
-    gi = conv_backward(local_in, [True, False, False])[0] if mask[0] else None
-    if flight is not None:
-        _fill_local_input(local_in, x_local, plan, flight)
-    returning = None
-    if mask[0]:
-        returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d])
-    gw = gb = None
-    if mask[1] or mask[2]:
-        _, gw, gb = conv_backward(local_in, [False, mask[1], mask[2]])
+    with _settled_on_error([flight] if flight is not None else []) as flights:
+        local_in = x_local.new_empty(_local_shape(x_local, plan))
+        gi = conv_backward(local_in, [True, False, False])[0] if mask[0] else None
+        if flight is not None:
+            _fill_local_input(local_in, x_local, plan, flight)
+        returning = None
+        if mask[0]:
+            returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d])
+            flights.append(returning)
+        gw = gb = None
+        if mask[1] or mask[2]:
+            _, gw, gb = conv_backward(local_in, [False, mask[1], mask[2]])
     return (returning.wait() if returning is not None else None), gw, gb
 
 
