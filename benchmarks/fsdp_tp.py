@@ -15,6 +15,9 @@ The zoo Llama (``torch_tp.models.llama``), trained with AdamW, on 4 ranks three 
                 rank takes a quarter of the batch.
 ``2-D 2x2``     both on (dp 2, tp 2): TP, then FSDP2 over dp; each dp rank takes half the batch.
 
+and, for context, ``1 process``: the single-process model on the whole batch, run by rank 0
+alone while the other ranks wait (measured like the others; no prediction, no loss check).
+
 Before anything is measured, each variant's step is checked against the single-process model
 on the whole batch (the dp-averaged loss, ``assert_close`` at 1e-5); the script fails rather
 than measure a wrong model.
@@ -26,23 +29,31 @@ Per-rank columns (the largest rank's; every rank holds the same here):
                     ``meta`` model (they must be equal).
 ``grads KiB``       bytes of the gradients after one backward (local shards).
 ``AdamW KiB``       bytes of the optimizer state after one step (``exp_avg``, ``exp_avg_sq``, ``step``).
-``sent KiB``        bytes this rank sends per training step (forward + backward), from every
-                    collective seen by a dispatch mode (DTensor's functional collectives and
-                    FSDP2's ``c10d`` calls alike), under a ring model: an all-gather sends
+``sent KiB``        bytes this rank sends per training step (forward, backward and
+                    ``optimizer.step()``), from every collective seen by a dispatch mode that
+                    lets DTensor desugar its ops first, as ``CommDebugMode`` does (DTensor's
+                    functional collectives, those DTensor issues inside an op, and FSDP2's
+                    ``c10d`` calls alike), under a ring model: an all-gather sends
                     ``(g - 1) x`` its input, a reduce-scatter ``(g - 1) / g x`` its input, an
                     all-reduce ``2 (g - 1) / g x`` its tensor, ``g`` the group size.
-``collectives``     how many of each (AG all-gather, RS reduce-scatter, AR all-reduce).
+``collectives``     how many of each (AG all-gather, RS reduce-scatter, AR all-reduce) per step.
+                    Under TP, ``optimizer.step()`` all-reduces each replicated norm weight's
+                    ``Partial`` gradient 3 times: AdamW uses the gradient 3 times (``lerp_``,
+                    ``addcmul_`` of it with itself) and DTensor reduces it anew at each use.
 ``step ms``         median wall time of forward + backward + ``optimizer.step()`` on rank 0;
                     variants interleaved round by round, a barrier before each step.
+``loss Δ``          |dp-averaged loss - the single-process loss| of the checked step.
 
 The second table is activation checkpointing on the 2-D model: peak memory of one forward +
 backward on rank 0, in total and its activations part, from torch's own tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``, which follows every tensor's storage and
 classifies it: parameters, gradients, optimizer state, activations, temporaries), with no
 checkpointing, with full recompute (``checkpoint_by_pattern(model, "layers.*")``) and with the
-selective policy (``policy=save_collectives_and_matmuls``), and the collectives of one step:
-full recompute re-runs the sequence-parallel all-gathers in backward, the selective policy
-adds none.
+selective policy (``policy=save_collectives_and_matmuls``), and the collectives (and sent
+bytes) of one forward + backward: full recompute re-runs the sequence-parallel all-gathers in
+backward, the selective policy adds none. (Counting what autograd saves with
+``saved_tensors_hooks`` would not do: checkpointing installs its own hooks, which hide what the
+selective policy caches.)
 """
 
 from __future__ import annotations
@@ -84,6 +95,7 @@ from _measure import time_interleaved
 FULL = ModelArgs(dim=256, n_layers=4, n_heads=8, vocab_size=1024, ffn_hidden=688, max_seq_len=128)
 QUICK = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, ffn_hidden=176, max_seq_len=32)
 VARIANTS = {"TP 1x4": (1, 4), "FSDP 4x1": (4, 1), "2-D 2x2": (2, 2)}  # name: (dp, tp)
+REFERENCE = "1 process"
 AC_MODES = ("none", "full", "selective")
 BATCH = 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -113,6 +125,10 @@ class SentBytes(TorchDispatchMode):
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor desugar the op first (CommDebugMode's trick): the collectives it issues
+            # inside an op (AdamW's update reducing a Partial gradient) then come back here.
+            return NotImplemented
         kind = _collective_kind(func)
         if kind is not None:
             size, nbytes = _group_size_and_bytes(func, kind, args)
@@ -143,9 +159,11 @@ def _nbytes(t) -> int:
 
 def _group_size_and_bytes(func, kind: str, args: tuple) -> tuple[int, int]:
     """``(group size, bytes of the input)`` of a functional or a ``c10d`` collective."""
-    if func.namespace == "_c10d_functional":  # (input, [reduce op,] group_size, group_name)
-        size = next(a for a in args[1:] if isinstance(a, int))
-        return size, _nbytes(args[0])
+    if func.namespace == "_c10d_functional":  # (input, [reduce op,] [group_size,] group_name)
+        group = args[-1]
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        return group.size(), _nbytes(args[0])
     size = dist.ProcessGroup.unbox(args[1] if kind == "AR" else args[2]).size()  # the op's ProcessGroup argument
     if kind == "AR":  # allreduce_(tensors, group, reduce op, ...)
         return size, _nbytes(args[0])
@@ -226,6 +244,20 @@ def _peak_memory(variant: Variant) -> dict[str, int]:
     return {"total": peak["Total"], "activations": next(v for k, v in peak.items() if str(k).endswith("ACT"))}
 
 
+def _held_and_sent(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, train_step) -> dict:
+    """This rank's bytes of gradients (after ``loss.backward()``), of the AdamW state (after the
+    step), of the parameters, and the collectives of one more ``train_step``."""
+    loss.backward()
+    grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    state = _bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    optimizer.zero_grad()
+    with SentBytes() as sent:
+        train_step(1)
+    return {"params": _bytes(model.parameters()), "grads": grads, "state": state, "sent": sent.sent,
+            "counts": dict(sent.counts)}
+
+
 def measure_variant(name: str, config: Config, reference: torch.nn.Module, ref_loss: float) -> tuple[dict, Variant]:
     dp, tp = VARIANTS[name]
     variant = Variant(config, reference, dp, tp)
@@ -233,20 +265,38 @@ def measure_variant(name: str, config: Config, reference: torch.nn.Module, ref_l
     batch_loss = variant.batch_loss(loss)
     torch.testing.assert_close(batch_loss, ref_loss, **TOL,
                                msg=lambda m: f"{name}: the loss differs from the single-process model's: {m}")
-    loss.backward()
-    grads = _bytes(p.grad for p in variant.model.parameters() if p.grad is not None)
-    variant.optimizer.step()
-    state = _bytes(v for s in variant.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    variant.optimizer.zero_grad()
-    with SentBytes() as sent:
-        variant.loss(1).backward()
-    variant.optimizer.zero_grad()
-    row = {
-        "variant": name, "params": _bytes(variant.model.parameters()), "predicted": variant.predicted,
-        "grads": grads, "state": state, "sent": sent.sent, "counts": dict(sent.counts),
-        "loss_diff": abs(batch_loss - ref_loss),
-    }
+    row = {"variant": name, "predicted": variant.predicted, "loss_diff": abs(batch_loss - ref_loss),
+           **_held_and_sent(variant.model, variant.optimizer, loss, variant.train_step)}
     return row, variant
+
+
+class Reference:
+    """The single-process model on the whole batch, run by rank 0 alone (the others idle)."""
+
+    def __init__(self, config: Config, reference: torch.nn.Module):
+        self.config = config
+        self.model = copy.deepcopy(reference)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def loss(self, step: int) -> torch.Tensor:
+        inputs, targets = _batch(self.config, step)
+        return F.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
+
+    def train_step(self, step: int = 0) -> None:
+        if dist.get_rank() == 0:
+            self.loss(step).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+def measure_reference(config: Config, reference: torch.nn.Module) -> tuple[dict | None, Reference]:
+    """The ``1 process`` row, measured like the variants' (on rank 0; ``None`` on the others)."""
+    single = Reference(config, reference)
+    if dist.get_rank() != 0:
+        return None, single
+    row = {"variant": REFERENCE, "predicted": None, "loss_diff": None,
+           **_held_and_sent(single.model, single.optimizer, single.loss(0), single.train_step)}
+    return row, single
 
 
 def measure_checkpointing(config: Config, reference: torch.nn.Module) -> list[dict]:
@@ -269,13 +319,16 @@ def rank_main(config: Config) -> None:
     reference = Transformer(config.args).to(rank_device())
     inputs, targets = _batch(config, 0)
     ref_loss = F.cross_entropy(copy.deepcopy(reference)(inputs).flatten(0, 1), targets.flatten()).item()
+    progress("1 process: measuring ...")
+    single_row, single = measure_reference(config, reference)
     rows, variants = [], {}
     for name in VARIANTS:
         progress(f"{name}: checking and measuring ...")
         row, variants[name] = measure_variant(name, config, reference, ref_loss)
         rows.append(row)
     progress(f"timing {config.iters} rounds after {config.warmup} warm-up ...")
-    times = time_interleaved({n: variants[n].train_step for n in VARIANTS}, config.iters, config.warmup)
+    steps = {REFERENCE: single.train_step, **{n: variants[n].train_step for n in VARIANTS}}
+    times = time_interleaved(steps, config.iters, config.warmup)
     for row in rows:
         row["step_s"] = [wall for wall, _ in times[row["variant"]]]
     progress("activation checkpointing ...")
@@ -288,8 +341,9 @@ def rank_main(config: Config) -> None:
             for mine, theirs in zip(worst, per_rank_rows):
                 for key in ("params", "predicted", "grads", "state", "sent"):
                     mine[key] = max(mine[key], theirs[key])
+        single_row["step_s"] = [wall for wall, _ in times[REFERENCE]]
         with open(config.result_path, "w") as f:
-            json.dump({"variants": worst, "checkpointing": checkpointing}, f)
+            json.dump({"variants": [single_row, *worst], "checkpointing": checkpointing}, f)
 
 
 # ------------------------------------------------------------------------------ report
@@ -308,9 +362,10 @@ def _counts(counts: dict) -> str:
 
 def format_report(result: dict, options: argparse.Namespace, config: Config) -> str:
     a = config.args
-    rows = [(r["variant"], _kib(r["params"]), _kib(r["predicted"]), _kib(r["grads"]), _kib(r["state"]),
-             _kib(r["sent"]), _counts(r["counts"]), f"{statistics.median(r['step_s']) * 1e3:.1f}",
-             f"{r['loss_diff']:.1e}") for r in result["variants"]]
+    rows = [(r["variant"], _kib(r["params"]), "-" if r["predicted"] is None else _kib(r["predicted"]),
+             _kib(r["grads"]), _kib(r["state"]), _kib(r["sent"]), _counts(r["counts"]),
+             f"{statistics.median(r['step_s']) * 1e3:.1f}", "-" if r["loss_diff"] is None else f"{r['loss_diff']:.1e}")
+            for r in result["variants"]]
     none = result["checkpointing"][0]["activations"]
     ac_rows = [(r["ac"], f"{r['total'] / 2**20:.3f}", f"{r['activations'] / 2**20:.3f}", f"{r['activations'] / none:.3f}",
                 _counts(r["counts"]), _kib(r["sent"])) for r in result["checkpointing"]]
@@ -324,7 +379,7 @@ def format_report(result: dict, options: argparse.Namespace, config: Config) -> 
         markdown_table(COLUMNS, rows),
         "",
         "Activation checkpointing on 2-D 2x2 (peak memory of forward + backward on rank 0, torch's MemTracker; "
-        "one step's collectives):",
+        "collectives of that forward + backward):",
         "",
         markdown_table(AC_COLUMNS, ac_rows),
     ])

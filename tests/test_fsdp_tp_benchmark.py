@@ -2,9 +2,11 @@
 
 Times are machine noise here and are not asserted beyond being positive. Asserted: every
 variant matched one process before being measured; the measured parameter bytes per rank
-equal the prediction; TP, FSDP and 2-D hold the same bytes (the matrices split four ways, the norms whole); FSDP's
-gradients and AdamW state are sharded like its parameters; full recompute saves fewer
-activations and re-runs collectives, the selective policy re-runs none.
+equal the prediction; TP, FSDP and 2-D hold the same bytes, a quarter of the one-process
+model's matrices plus its whole norms; FSDP's gradients and AdamW state are sharded like its
+parameters; a TP step's collectives include
+the optimizer's all-reduces of the norms' gradients; full recompute saves fewer activations and
+re-runs collectives, the selective policy re-runs none.
 """
 
 import pathlib
@@ -31,7 +33,10 @@ def test_quick_benchmark_predicts_the_bytes_it_measures_and_checkpointing_saves_
     variants, checkpointing = markdown_tables(out)
     assert variants[0]["__header__"] == COLUMNS and checkpointing[0]["__header__"] == AC_COLUMNS, out
     rows = {r["variant"]: r for r in variants}
-    assert list(rows) == ["TP 1x4", "FSDP 4x1", "2-D 2x2"], out
+    assert list(rows) == ["1 process", "TP 1x4", "FSDP 4x1", "2-D 2x2"], out
+    single = rows.pop("1 process")
+    assert single["predicted"] == "-" and single["collectives"] == "-" and single["sent KiB"] == "0.0", out
+    assert single["grads KiB"] == single["params KiB"] and float(single["step ms"]) > 0, out
     whole = None
     for name, r in rows.items():
         assert float(r["loss Δ"]) <= 1e-5 and float(r["step ms"]) > 0 and float(r["sent KiB"]) > 0, (name, out)
@@ -39,9 +44,12 @@ def test_quick_benchmark_predicts_the_bytes_it_measures_and_checkpointing_saves_
         whole = whole or float(r["params KiB"])
         assert float(r["params KiB"]) == whole, (name, out)  # matrices split 4 ways, norms whole in all three
         assert float(r["AdamW KiB"]) >= 2 * float(r["params KiB"]), (name, out)  # two moments per element
+    # each rank: a quarter of every matrix, the norms whole
+    assert 3 * whole < float(single["params KiB"]) <= 4 * whole, out
     for name in ("FSDP 4x1", "2-D 2x2"):  # FSDP2 reduce-scatters gradients to the parameters' shards
         assert rows[name]["grads KiB"] == rows[name]["params KiB"], (name, out)
-    assert rows["TP 1x4"]["collectives"] == "11AG+10RS", out  # TP+SP: per block 2 AG + 2 RS each way, the head
+    # TP+SP: per block 2 AG + 2 RS each way, the head; AdamW all-reduces each of the 5 norms' Partial grads 3 times
+    assert rows["TP 1x4"]["collectives"] == "11AG+10RS+15AR", out
     ac = {r["checkpointing"]: r for r in checkpointing}
     assert list(ac) == ["none", "full", "selective"], out
     assert float(ac["full"]["peak activations MiB"]) < float(ac["selective"]["peak activations MiB"]) <= float(
