@@ -53,6 +53,7 @@ from torch_tp.testing._report import (
     _Report,
     _build_report,
     _file_size,
+    _parent_side_record,
     _read_from,
     _tail,
     _wait_for_files_to_settle,
@@ -68,7 +69,7 @@ DEFAULT_TASK_TIMEOUT = 120.0
 STARTUP_TIMEOUT = 120.0
 
 #: After the first rank fails, how long the other ranks get to answer.
-FAILURE_GRACE = 3.0
+FAILURE_GRACE = 1.0
 
 #: Multiprocessing start method for workers. ``forkserver`` (with torch
 #: preloaded in the server) starts a pool several times faster than ``spawn``;
@@ -92,10 +93,14 @@ _STOP_WAIT = 5.0
 class RankFailure(AssertionError):
     """Raised by :func:`run_on_ranks` when a rank raised, hung or died.
 
-    The message holds, per failed rank, ``rank N`` with its formatted
+    The message opens with the root cause: the rank that failed first (its
+    exception, its exit code), or the rank its peers waited for in a collective
+    (a hang), or the ranks that called different collectives; a failure inside
+    a collective (a timeout, a lost peer) is a consequence and comes after.
+    Then, per failed rank, root cause first, ``rank N`` with its formatted
     traceback (or, for a rank that did not answer, its Python stack dump and
     for a dead rank its exit code), followed by the rank's recent output.
-    ``failed_ranks`` lists the ranks concerned.
+    ``failed_ranks`` lists the ranks concerned, ``root_cause_rank`` the first.
 
     Example:
         >>> # xdoctest: +SKIP("starts worker processes")
@@ -103,12 +108,13 @@ class RankFailure(AssertionError):
         ...     run_on_ranks(_raise_on_rank_1, 2)
     """
 
-    def __init__(self, message: str, failed_ranks: list[int]) -> None:
+    def __init__(self, message: str, failed_ranks: list[int], root_cause_rank: int | None = None) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
+        self.root_cause_rank = root_cause_rank
 
     def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.failed_ranks))
+        return (type(self), (str(self), self.failed_ranks, self.root_cause_rank))
 
 
 RankFailure.__module__ = "torch_tp.testing"  # how pytest names it in reports
@@ -302,7 +308,7 @@ class _WorkerPool:
                     parent_end, child_end = ctx.Pipe(duplex=True)
                     proc = ctx.Process(
                         target=_worker_main,
-                        args=(r, self.size, self.workdir, child_end),
+                        args=(r, self.size, self.workdir, child_end, os.getpid()),
                         name=f"torch_tp-ws{self.size}-rank{r}",
                         daemon=True,
                     )
@@ -337,7 +343,7 @@ class _WorkerPool:
         if bootstrap:
             report.message += f"\n----- worker bootstrap output -----\n{bootstrap}"
         self.kill()
-        raise RankFailure(report.message, report.failed_ranks)
+        raise RankFailure(report.message, report.failed_ranks, report.root_cause_rank)
 
     def all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -381,7 +387,7 @@ class _WorkerPool:
             raise
         if report is not None:
             self._discard()
-            raise RankFailure(report.message, report.failed_ranks)
+            raise RankFailure(report.message, report.failed_ranks, report.root_cause_rank)
         return results
 
     def _discard(self) -> None:
@@ -452,11 +458,9 @@ class _WorkerPool:
             try:
                 results[r] = pickle.loads(reply.payload)
             except Exception:
-                replies[r] = _Reply(
-                    "error",
-                    "the parent could not unpickle this rank's return value:\n"
-                    + traceback.format_exc(),
-                )
+                replies[r] = _Reply("error", _parent_side_record(
+                    "the parent could not unpickle this rank's return value:\n" + traceback.format_exc()
+                ))
         failed = any(reply.failed for reply in replies.values())
         if not failed and len(replies) == self.size:
             return results, None

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_tp._orphans import exit_with
+from torch_tp._rank_failure import exception_record
+
 
 __all__ = ["COLLECTIVE_TIMEOUT", "mesh_2x2", "rank", "tp_mesh", "world_size"]
 
@@ -48,8 +51,9 @@ def _stack_path(workdir: str, r: int) -> str:
 # --------------------------------------------------------------------------
 
 
-def _worker_main(r: int, size: int, workdir: str, conn: Any) -> None:
+def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int) -> None:
     """Entry point of one worker process: set up, join the group, serve tasks."""
+    exit_with(owner_pid)  # a rank blocked in a collective would outlive a killed pytest
     _redirect_stdio_to(_log_path(workdir, r))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -111,24 +115,32 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
     try:
         fn, args, kwargs = pickle.loads(task)
         result = fn(*args, **kwargs)
-    except BaseException:
-        return ("error", _format_exception())
+    except BaseException as exc:
+        return ("error", _failure_record(exc))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     try:
         return ("ok", pickle.dumps(result))
-    except Exception:
-        return (
-            "error",
+    except Exception as exc:
+        record = exception_record(exc)
+        record["traceback"] = (
             "the return value is not picklable; return plain data or tensors "
-            "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc(),
+            "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc()
         )
+        return ("error", record)
 
 
 def _adopt_sys_path(parent_path: list[str]) -> None:
     """Put the parent's ``sys.path`` first so its modules import the same way."""
     sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
+
+
+def _failure_record(exc: BaseException) -> dict[str, Any]:
+    """:func:`torch_tp._rank_failure.exception_record`, with the harness's own frame left out."""
+    record = exception_record(exc)
+    record["traceback"] = _format_exception()
+    return record
 
 
 def _format_exception() -> str:

@@ -9,11 +9,12 @@ recent output of every failed rank into the message of a
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from torch_tp._orphans import without_watcher_threads
+from torch_tp._root_cause import RankOutcome, explain, root_cause
 from torch_tp.testing._rank import _log_path
 
 
@@ -25,7 +26,7 @@ LOG_TAIL_LINES = 40
 class _Reply:
     """What one rank answered to one request."""
 
-    kind: str  # "ready" | "ok" | "error" | "died"
+    kind: str  # "ready" | "ok" | "error" (payload: a torch_tp._rank_failure record) | "died"
     payload: Any = None
 
     @property
@@ -37,6 +38,13 @@ class _Reply:
 class _Report:
     message: str
     failed_ranks: list[int]
+    root_cause_rank: int | None
+
+
+def _parent_side_record(text: str) -> dict[str, Any]:
+    """A failure record for what went wrong in the parent on a rank's behalf."""
+    return {"type": "RuntimeError", "message": text.strip().splitlines()[0], "traceback": text,
+            "time_ns": time.time_ns(), "collective": None, "symptom": False, "calls": {}}
 
 
 def _build_report(
@@ -46,73 +54,30 @@ def _build_report(
     stacks: dict[int, str],
     log_offsets: list[int],
 ) -> _Report:
-    """Report on every rank that failed or, missing from ``replies``, did not answer.
+    """Report on every rank that failed or, missing from ``replies``, did not answer: the root
+    cause first (:mod:`torch_tp._root_cause`).
 
     ``stacks`` holds the stack dumps of ranks that did not answer;
     ``log_offsets`` (one per rank) says where each rank's log stood before.
     """
-    size = len(log_offsets)
-    silent = [r for r in range(size) if r not in replies]
-    sections = []
-    failed_ranks = []
-    for r in range(size):
-        reply = replies.get(r)
-        if reply is not None and not reply.failed:
-            continue
-        failed_ranks.append(r)
-        sections.append(_rank_section(workdir, r, reply, stacks.get(r), log_offsets[r]))
-    summary = _summarize(replies, silent)
-    message = (
-        f"{headline}: {summary}. The pool was killed and will be respawned "
-        f"on the next call.\n" + "\n".join(sections)
-    )
-    return _Report(message, failed_ranks)
-
-
-def _rank_section(
-    workdir: str, r: int, reply: _Reply | None, stack: str | None, log_offset: int
-) -> str:
-    if reply is None:
-        title = f"rank {r}: did not answer (still running; Python stack below)"
-        body = stack or "(no stack dump was written)"
-    elif reply.kind == "error":
-        title = f"rank {r}: raised"
-        body = reply.payload
-    else:
-        title = f"rank {r}: worker process died ({_exit_description(reply.payload)})"
-        body = ""
-    parts = [f"===== {title} =====", body.rstrip()]
-    output = _tail(_log_path(workdir, r), log_offset)
-    if output:
-        parts.append(f"----- rank {r} output (last {LOG_TAIL_LINES} lines) -----\n{output}")
-    return "\n".join(p for p in parts if p)
-
-
-def _summarize(replies: dict[int, _Reply], silent: list[int]) -> str:
-    groups = [
-        ([r for r, reply in sorted(replies.items()) if reply.kind == "error"], "raised"),
-        ([r for r, reply in sorted(replies.items()) if reply.kind == "died"], "died"),
-        (silent, "did not answer"),
+    outcomes = [
+        _outcome(r, replies.get(r), stacks.get(r), _tail(_log_path(workdir, r), log_offsets[r]))
+        for r in range(len(log_offsets))
     ]
-    return "; ".join(f"{_ranks_phrase(ranks)} {verb}" for ranks, verb in groups if ranks)
+    message = explain(headline, outcomes, footer="The pool was killed and will be respawned on the next call.")
+    ordered = root_cause(outcomes)
+    return _Report(message, sorted(o.rank for o in ordered), ordered[0].rank if ordered else None)
 
 
-def _ranks_phrase(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def _exit_description(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "closed its connection; exit code unknown"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"exit code {exitcode}, killed by {name}"
-    return f"exit code {exitcode}"
+def _outcome(r: int, reply: _Reply | None, stack: str | None, output: str) -> RankOutcome:
+    if reply is None:
+        return RankOutcome(r, "running", stack=without_watcher_threads(stack or ""), output=output, how="still running")
+    if reply.kind == "error":
+        record = reply.payload if isinstance(reply.payload, dict) else _parent_side_record(str(reply.payload))
+        return RankOutcome(r, "raised", record=record, output=output)
+    if reply.kind == "died":
+        return RankOutcome(r, "exited", exit_code=reply.payload, output=output)
+    return RankOutcome(r, "ok")
 
 
 # Reading the files the ranks write (logs and stack dumps).

@@ -1,0 +1,258 @@
+"""Fault injection: one rank misbehaves, and both ways of running ranks name it.
+
+``torch_tp.launch`` (torch's elastic agent underneath) and ``torch_tp.testing.run_on_ranks``
+(the persistent gloo pools) run the same faulty functions at world sizes 2 and 4. The last
+rank is the culprit: it raises while the others wait in an all_reduce, calls ``sys.exit(3)``,
+calls ``os._exit(0)``, sleeps forever, calls all_reduce while the others call all_gather, or
+passes 1000 elements where the others pass 4. Each report must put that rank first, with the
+cause (exception text, exit code, signal, stack), within the timeout plus a few seconds.
+"""
+
+import os
+import re
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_tp.launch import LaunchFailure, launch
+from torch_tp.testing import RankFailure, run_on_ranks
+
+WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
+TIMEOUT_S = 2  # the collective timeout of a launch, and the task timeout of a pool call
+SLACK_S = 8  # starting the ranks, the agent's teardown, stack dumps
+
+
+def _culprit() -> int:
+    return dist.get_world_size() - 1
+
+
+def _raises_mid_collective():
+    if dist.get_rank() == _culprit():
+        print(f"rank {dist.get_rank()} about to fail", file=sys.stderr, flush=True)
+        raise ValueError(f"boom on rank {dist.get_rank()}")
+    dist.all_reduce(torch.ones(4))
+
+
+def _exits_3():
+    if dist.get_rank() == _culprit():
+        sys.exit(3)
+    dist.all_reduce(torch.ones(4))
+
+
+def _exits_0_at_once():
+    if dist.get_rank() == _culprit():
+        os._exit(0)
+    dist.all_reduce(torch.ones(4))
+
+
+def _sleeps_forever():
+    if dist.get_rank() == _culprit():
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(4))
+
+
+def _calls_another_collective():
+    if dist.get_rank() == _culprit():
+        dist.all_reduce(torch.ones(4))
+    else:
+        dist.all_gather([torch.zeros(4) for _ in range(dist.get_world_size())], torch.ones(4))
+
+
+def _passes_another_size():
+    dist.all_reduce(torch.ones(1000 if dist.get_rank() == _culprit() else 4))
+
+
+def _sums_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _launch_failure(fn, world_size, **kwargs):
+    start = time.monotonic()
+    with pytest.raises(LaunchFailure) as info:
+        launch(fn, nproc=world_size, timeout=timedelta(seconds=TIMEOUT_S), **kwargs)
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    return info.value, str(info.value)
+
+
+def _pool_failure(fn, world_size):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(fn, world_size, timeout=TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+    return info.value, str(info.value)
+
+
+def _summary(message):
+    return message.splitlines()[0]
+
+
+def _cause(message):
+    """The summary after the headline ("... failed on 2 ranks: " / "... on world_size=2: ")."""
+    return re.split(r"failed on (?:\d+ ranks|world_size=\d+): ", _summary(message), maxsplit=1)[1]
+
+
+def _first_section(message):
+    return message.split("=====")[1]
+
+
+# ------------------------------------------------------------------------ torch_tp.launch
+
+
+@WORLD_SIZES
+def test_launch_names_the_rank_that_raised_with_its_traceback_then_the_others(world_size):
+    error, message = _launch_failure(_raises_mid_collective, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit and error.failed_ranks == list(range(world_size)), message
+    assert f"rank {culprit} raised ValueError: boom on rank {culprit}; then " in _summary(message), message
+    assert f"rank {culprit}: raised [root cause]" in _first_section(message), message
+    assert 'raise ValueError(f"boom on rank' in message.split("[then]")[0]  # its traceback, first
+    assert f"rank {culprit} about to fail" in message  # its stderr
+    assert error.exit_codes[culprit] == 1, error.exit_codes
+    assert all(code != 0 for code in error.exit_codes.values()) and len(error.exit_codes) == world_size
+
+
+@WORLD_SIZES
+def test_launch_reports_sys_exit_3_with_its_exit_code(world_size):
+    error, message = _launch_failure(_exits_3, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    assert _summary(message).startswith(f"torch_tp.launch: {__name__}._exits_3 failed on {world_size} ranks: rank {culprit} called sys.exit(3)")
+    assert error.exit_codes[culprit] == 3, error.exit_codes
+
+
+@WORLD_SIZES
+def test_launch_reports_os_exit_0_as_a_rank_that_left_early(world_size):
+    error, message = _launch_failure(_exits_0_at_once, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    assert f"rank {culprit} exited with code 0 before its function returned" in _summary(message), message
+    assert error.exit_codes[culprit] == 0, error.exit_codes
+
+
+@WORLD_SIZES
+def test_launch_names_a_hung_rank_with_its_stack_when_the_collective_times_out(world_size):
+    error, message = _launch_failure(_sleeps_forever, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    group = list(range(world_size))
+    assert f"timed out in all_reduce on the group of ranks {group}, which rank {culprit} never reached" in _summary(message), message
+    first = _first_section(message) + message.split("=====")[2]
+    assert f"rank {culprit}: did not answer (stopped by the launcher (SIGTERM)" in first, message
+    assert "in _sleeps_forever" in first, message  # its Python stack, dumped at SIGTERM
+    assert error.exit_codes[culprit] == -15, error.exit_codes
+
+
+@WORLD_SIZES
+def test_launch_reports_ranks_that_call_different_collectives(world_size):
+    error, message = _launch_failure(_calls_another_collective, world_size)
+    summary = _summary(message)
+    assert "the ranks called different collectives" in summary, message
+    assert f"rank {world_size - 1} in all_reduce" in summary and "rank 0 in all_gather" in summary, message
+
+
+@WORLD_SIZES
+def test_launch_names_the_rank_of_another_size_when_gloo_aborts(world_size):
+    error, message = _launch_failure(_passes_another_size, world_size)
+    # gloo aborts the rank that receives the bigger message; the report says so, and why
+    aborted = error.root_cause_rank
+    assert f"rank {aborted} was killed by SIGABRT in all_reduce" in _summary(message), message
+    assert error.exit_codes[aborted] == -6, error.exit_codes
+    assert "Received data size doesn't match expected size" in message, message
+
+
+@WORLD_SIZES
+@pytest.mark.parametrize("fault", [_calls_another_collective, _passes_another_size], ids=["op", "size"])
+def test_launch_with_check_collectives_names_the_odd_rank_before_anything_is_sent(world_size, fault):
+    error, message = _launch_failure(fault, world_size, check_collectives=True)
+    culprit = world_size - 1
+    odd_call = "ALLREDUCE Float[4]" if fault is _calls_another_collective else "ALLREDUCE Float[1000]"
+    usual_call = "ALLGATHER Float[4]" if fault is _calls_another_collective else "ALLREDUCE Float[4]"
+    summary = _summary(message)
+    assert "found by torch's collective check before the call" in summary, message
+    assert odd_call in summary and usual_call in summary, message
+    if world_size > 2:  # with two ranks there is no majority to tell the odd one
+        assert error.root_cause_rank == culprit, message
+        assert f"rank {culprit} called {odd_call}, unlike ranks 0, 1, 2 ({usual_call})" in summary, message
+
+
+def test_launch_returns_quietly_when_every_rank_succeeds():
+    assert launch(_sums_ranks, nproc=2) is None
+
+
+def test_launch_repeats_the_raising_rank_20_of_20_times():
+    # the race the old launcher lost 3 times in 5: the peer's "Connection closed" first
+    roots = []
+    for _ in range(20):
+        error, message = _launch_failure(_raises_mid_collective, 2)
+        roots.append((error.root_cause_rank, _cause(message)[:40]))
+    assert roots == [(1, "rank 1 raised ValueError: boom on rank 1")] * 20, roots
+
+
+# ------------------------------------------------------------------------ run_on_ranks
+
+
+@WORLD_SIZES
+def test_pool_names_the_rank_that_raised_first(world_size):
+    error, message = _pool_failure(_raises_mid_collective, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit and error.failed_ranks == list(range(world_size)), message
+    assert f"rank {culprit} raised ValueError: boom on rank {culprit}; then " in _summary(message), message
+    assert f"rank {culprit}: raised [root cause]" in _first_section(message), message
+
+
+@WORLD_SIZES
+def test_pool_reports_sys_exit_3(world_size):
+    error, message = _pool_failure(_exits_3, world_size)
+    assert error.root_cause_rank == world_size - 1, message
+    assert f"rank {world_size - 1} called sys.exit(3)" in _summary(message), message
+
+
+@WORLD_SIZES
+def test_pool_reports_os_exit_0_as_a_rank_that_left_early(world_size):
+    error, message = _pool_failure(_exits_0_at_once, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    assert f"rank {culprit} exited with code 0 before its function returned" in _summary(message), message
+    assert f"rank {culprit}: worker process died (exit code 0) [root cause]" in message, message
+
+
+@WORLD_SIZES
+def test_pool_names_a_hung_rank_with_its_stack(world_size):
+    error, message = _pool_failure(_sleeps_forever, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    assert f"waited in all_reduce, which rank {culprit} never reached" in _summary(message), message
+    assert "in _sleeps_forever" in _first_section(message) + message.split("=====")[2], message
+
+
+@WORLD_SIZES
+def test_pool_reports_ranks_that_call_different_collectives(world_size):
+    error, message = _pool_failure(_calls_another_collective, world_size)
+    summary = _summary(message)
+    assert "the ranks called different collectives" in summary, message
+    assert f"rank {world_size - 1} in all_reduce" in summary and "rank 0 in all_gather" in summary, message
+
+
+@WORLD_SIZES
+def test_pool_reports_the_rank_gloo_aborts_on_another_size(world_size):
+    error, message = _pool_failure(_passes_another_size, world_size)
+    aborted = error.root_cause_rank
+    assert f"rank {aborted} was killed by SIGABRT" in _summary(message), message
+    assert "Received data size doesn't match expected size" in message, message
+
+
+def test_pool_repeats_the_raising_rank_20_of_20_times():
+    roots = []
+    for _ in range(20):
+        error, message = _pool_failure(_raises_mid_collective, 2)
+        roots.append((error.root_cause_rank, _cause(message)[:40]))
+    assert roots == [(1, "rank 1 raised ValueError: boom on rank 1")] * 20, roots
+    assert run_on_ranks(_sums_ranks, 2) == [1.0] * 2  # a fresh pool works

@@ -1,0 +1,167 @@
+"""What a failing rank records about itself, for the parent to find the root cause.
+
+A rank that raises writes a *record* (a plain dict, JSON- and pickle-safe) instead of only a
+traceback string, so that the parent (:mod:`torch_tp._root_cause`) can tell the rank that
+failed first from the ranks that failed because of it:
+
+============  ==============================================================================
+key           value
+============  ==============================================================================
+type          the exception's qualified class name (``"ValueError"``, ``"SystemExit"``)
+message       ``str(exception)`` (``SystemExit``: its code)
+traceback     the formatted traceback
+time_ns       ``time.time_ns()`` when it was recorded (ranks share one host clock)
+collective    the torch.distributed collective the exception came out of, if any:
+              ``{"op": "all_reduce", "ranks": [0, 1], "tensors": "float32[4]"}``
+symptom       ``True`` when a collective failed on this rank (timed out, lost its peer): the
+              cause is another rank's, not this one's
+calls         ``{rank: "ALLREDUCE float32[1000]"}`` when torch's collective check
+              (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) found ranks calling different collectives
+============  ==============================================================================
+
+:func:`collective_in_stack` reads the same ``op`` from a faulthandler stack dump, for ranks that
+were killed (a hang, an abort) rather than raising. Imports nothing from torch_tp.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import traceback
+from types import TracebackType
+from typing import Any
+
+__all__ = ["COLLECTIVES", "collective_in_stack", "exception_record", "mismatched_calls"]
+
+#: torch.distributed functions that are (or wait on) one collective.
+COLLECTIVES = frozenset(
+    """all_reduce all_reduce_coalesced all_gather all_gather_into_tensor all_gather_object
+    all_gather_tensor all_gather_tensor_autograd all_to_all all_to_all_single
+    all_to_all_single_autograd reduce_scatter reduce_scatter_tensor
+    reduce_scatter_tensor_autograd broadcast broadcast_object_list barrier monitored_barrier
+    gather gather_object scatter scatter_object_list reduce send recv isend irecv
+    batch_isend_irecv wait_tensor""".split()
+)
+
+# Where torch.distributed runs its collectives (not where it merely checks arguments).
+_C10D_FILES = ("distributed_c10d.py", "_functional_collectives.py", "c10d_logger.py")
+_TENSOR_ARGS = ("tensor", "output_tensor", "input_tensor", "output", "input", "tensor_list", "self")
+_FINGERPRINT = re.compile(
+    r"Rank (?P<rank>\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
+    r"OpType=(?P<op>\w+), TensorShape=(?P<shape>\[[^\]]*\]), TensorDtypes=(?P<dtype>\w+)"
+)
+_STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<name>\S+)')
+
+
+def exception_record(exc: BaseException) -> dict[str, Any]:
+    """A record of ``exc`` as raised on this rank (see the module docstring for its keys).
+
+    Example::
+
+        >>> try:
+        ...     raise ValueError("boom")
+        ... except ValueError as e:
+        ...     record = exception_record(e)
+        >>> record["type"], record["message"], record["symptom"], record["collective"]
+        ('ValueError', 'boom', False, None)
+    """
+    collective = _collective_in_traceback(exc.__traceback__)
+    message = str(exc.code) if isinstance(exc, SystemExit) else str(exc)
+    calls = mismatched_calls(message)
+    return {
+        "type": _qualified_name(type(exc)),
+        "message": message,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "time_ns": time.time_ns(),
+        "collective": collective,
+        "symptom": not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__),
+        "calls": calls,
+    }
+
+
+def mismatched_calls(message: str) -> dict[int, str]:
+    """The calls of each rank named in torch's "Detected mismatch between collectives" error.
+
+    Example::
+
+        >>> mismatched_calls("Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=0, "
+        ...     "OpType=ALLREDUCE, TensorShape=[1000], TensorDtypes=Float, ...), but Rank 0 is running "
+        ...     "collective: CollectiveFingerPrint(SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], "
+        ...     "TensorDtypes=Float, ...)")
+        {1: 'ALLREDUCE Float[1000]', 0: 'ALLREDUCE Float[4]'}
+    """
+    return {int(m["rank"]): f"{m['op']} {m['dtype']}{m['shape']}" for m in _FINGERPRINT.finditer(message)}
+
+
+def collective_in_stack(stack: str) -> str | None:
+    """The innermost collective in a faulthandler dump (most recent call first), if any.
+
+    Example::
+
+        >>> collective_in_stack('  File "/x/torch/distributed/distributed_c10d.py", line 3 in all_reduce\\n'
+        ...                     '  File "/x/torch/distributed/c10d_logger.py", line 8 in wrapper\\n')
+        'all_reduce'
+        >>> collective_in_stack('  File "t.py", line 5 in main\\n') is None
+        True
+    """
+    for match in _STACK_LINE.finditer(stack):
+        if _in_torch_distributed(match["file"]) and match["name"] in COLLECTIVES:
+            return match["name"]
+    return None
+
+
+def _qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+def _frames(tb: TracebackType | None) -> list[Any]:
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _in_torch_distributed(path: str) -> bool:
+    return "/torch/distributed/" in path.replace("\\", "/")
+
+
+def _raised_in_c10d(tb: TracebackType | None) -> bool:
+    frames = _frames(tb)
+    return bool(frames) and frames[-1].f_code.co_filename.endswith(_C10D_FILES)
+
+
+def _collective_in_traceback(tb: TracebackType | None) -> dict[str, Any] | None:
+    for frame in reversed(_frames(tb)):
+        if _in_torch_distributed(frame.f_code.co_filename) and frame.f_code.co_name in COLLECTIVES:
+            return {"op": frame.f_code.co_name, "ranks": _group_ranks(frame.f_locals), "tensors": _tensors(frame.f_locals)}
+    return None
+
+
+def _group_ranks(local_vars: dict[str, Any]) -> list[int] | None:
+    try:
+        import torch.distributed as dist
+
+        group = local_vars.get("group")
+        if group is None or isinstance(group, dist.ProcessGroup):
+            return dist.get_process_group_ranks(group or dist.group.WORLD)
+    except Exception:  # a group torn down, or not a ProcessGroup: leave the ranks out
+        pass
+    return None
+
+
+def _tensors(local_vars: dict[str, Any]) -> str | None:
+    import torch
+
+    for name in _TENSOR_ARGS:
+        value = local_vars.get(name)
+        if isinstance(value, torch.Tensor):
+            return _describe_tensor(value)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return f"[{len(value)} x {_describe_tensor(value[0])}]"
+    return None
+
+
+def _describe_tensor(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"

@@ -1,0 +1,270 @@
+"""Which rank failed first: ordering what every rank of a failed run reported.
+
+When one rank fails, its peers fail too: blocked in a collective, they time out or lose the
+connection, or the launcher stops them. Reported in rank order, the consequence often hides
+the cause. Both harnesses that run ranks (:func:`torch_tp.launch.launch` and
+:func:`torch_tp.testing.run_on_ranks`) describe each rank as a :class:`RankOutcome` and let
+:func:`explain` put the root cause first:
+
+=====================================================  ===========================================
+a rank that ...                                        is
+=====================================================  ===========================================
+raised outside a collective, or ``sys.exit(n)``        a cause (the earliest one is the root cause)
+ended without a word: ``os._exit``, SIGABRT, SIGSEGV   a cause
+raised inside a collective (timed out, lost its peer)  a consequence: it waited for another rank
+was still running when the run was stopped, and not    the root cause when no rank is a cause: its
+inside a collective                                    peers waited for it (a hang); its stack
+                                                       shows where it was
+was still running, inside a collective                 a consequence, or, when every rank sits in
+                                                       a collective, one side of a mismatch
+=====================================================  ===========================================
+
+Imports nothing from torch_tp beyond :mod:`torch_tp._rank_failure` (the records' format).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_tp._rank_failure import collective_in_stack
+
+__all__ = ["RankOutcome", "explain", "exit_description", "root_cause"]
+
+
+@dataclass
+class RankOutcome:
+    """What one rank of a failed run did.
+
+    ``state`` is ``"ok"`` (its function returned), ``"raised"`` (``record`` holds the
+    exception, see :mod:`torch_tp._rank_failure`), ``"exited"`` (the process ended on its own
+    without a record; ``exit_code`` is negative for a signal) or ``"running"`` (still inside its
+    function when the run was stopped; ``stack`` is its Python stack, ``how`` says how it was
+    stopped). ``output`` is the tail of what it printed.
+
+    Example::
+
+        >>> RankOutcome(1, "exited", exit_code=3).is_cause
+        True
+    """
+
+    rank: int
+    state: str
+    record: dict[str, Any] | None = None
+    exit_code: int | None = None
+    stack: str = ""
+    output: str = ""
+    how: str = "still running when the run was stopped"
+    _collective: str | None = field(default=None, init=False, repr=False)
+
+    @property
+    def failed(self) -> bool:
+        return self.state != "ok"
+
+    @property
+    def is_cause(self) -> bool:
+        if self.state == "raised":
+            return not self.record["symptom"]
+        return self.state == "exited"
+
+    @property
+    def collective(self) -> str | None:
+        """The collective this rank was in when it failed or was stopped, if any."""
+        if self.record and self.record.get("collective"):
+            return self.record["collective"]["op"]
+        return collective_in_stack(self.stack)
+
+    @property
+    def time_ns(self) -> float:
+        return self.record["time_ns"] if self.record else math.inf
+
+
+def _absent(o: RankOutcome) -> bool:
+    """Still running, and its stack shows it outside any collective (an unknown stack proves nothing)."""
+    return o.state == "running" and bool(o.stack.strip()) and o.collective is None
+
+
+def root_cause(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """The failed ranks, root cause first, consequences after (see the module's table).
+
+    Example::
+
+        >>> waited = RankOutcome(0, "raised", record={"symptom": True, "time_ns": 2, "collective": None})
+        >>> raised = RankOutcome(1, "raised", record={"symptom": False, "time_ns": 5, "collective": None})
+        >>> [o.rank for o in root_cause([waited, raised])]
+        [1, 0]
+    """
+    failed = [o for o in outcomes if o.failed]
+    odd = _odd_calls(outcomes)
+    if odd:
+        return sorted(failed, key=lambda o: (o.rank not in odd, o.rank))
+    causes = sorted((o for o in failed if o.is_cause), key=lambda o: (o.time_ns, o.rank))
+    absent = [o for o in failed if _absent(o)]
+    waiting = sorted((o for o in failed if o not in causes and o not in absent), key=lambda o: (o.time_ns, o.rank))
+    return causes + absent + waiting
+
+
+def explain(headline: str, outcomes: list[RankOutcome], footer: str = "") -> str:
+    """A failure report: ``headline``, a one-line summary naming the root cause, then one
+    section per failed rank, root cause first.
+
+    Example::
+
+        >>> text = explain("f failed", [RankOutcome(0, "ok"), RankOutcome(1, "exited", exit_code=3)])
+        >>> text.splitlines()[0]
+        'f failed: rank 1 exited with code 3.'
+    """
+    ordered = root_cause(outcomes)
+    sections = [_section(o, i == 0) for i, o in enumerate(ordered)]
+    summary = _summary(ordered, outcomes)
+    return "\n".join([f"{headline}: {summary}.{(' ' + footer) if footer else ''}", *sections])
+
+
+def exit_description(exit_code: int | None) -> str:
+    """``"exit code 3"``, ``"exit code -6, killed by SIGABRT"``.
+
+    Example::
+
+        >>> exit_description(-9)
+        'exit code -9, killed by SIGKILL'
+    """
+    if exit_code is None:
+        return "exit code unknown"
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"exit code {exit_code}, killed by {name}"
+    return f"exit code {exit_code}"
+
+
+# -- the summary line -------------------------------------------------------------------------
+
+
+def _summary(ordered: list[RankOutcome], everyone: list[RankOutcome]) -> str:
+    first = ordered[0]
+    odd = _odd_calls(everyone)
+    if odd:
+        return _mismatch(odd, _all_calls(everyone))
+    if first.is_cause:
+        text = _what_it_did(first)
+    elif _absent(first):
+        text = _did_not_arrive(first, ordered)
+    else:
+        text = _all_waiting(ordered, [o.rank for o in everyone if not o.failed])
+    named = {first.rank} | ({_waiters(ordered)[0].rank} if not first.is_cause and _waiters(ordered) else set())
+    rest = [o for o in ordered[1:] if o.rank not in named]
+    if rest and (first.is_cause or _absent(first)):
+        text += "; then " + "; ".join(_consequence(o) for o in rest)
+    return text
+
+
+def _what_it_did(o: RankOutcome) -> str:
+    where = f" in {o.collective}" if o.collective else ""
+    if o.state == "raised":
+        if o.record["type"] == "SystemExit":
+            return f"rank {o.rank} called sys.exit({o.record['message']})"
+        return f"rank {o.rank} raised {o.record['type']}: {_first_line(o.record['message'])}"
+    if o.exit_code == 0:
+        return f"rank {o.rank} exited with code 0 before its function returned (os._exit, or a library ending the process)"
+    if o.exit_code is not None and o.exit_code < 0:
+        return f"rank {o.rank} was killed by {exit_description(o.exit_code).split('killed by ')[1]}{where}"
+    return f"rank {o.rank} exited with code {o.exit_code}"
+
+
+def _did_not_arrive(absent: RankOutcome, ordered: list[RankOutcome]) -> str:
+    waiters = _waiters(ordered)
+    if not waiters:
+        return f"rank {absent.rank} was {absent.how} (its stack below)"
+    waiter = waiters[0]
+    ranks = waiter.record["collective"]["ranks"] if waiter.record and waiter.record.get("collective") else None
+    group = f" on the group of ranks {ranks}" if ranks else ""
+    verb = "timed out in" if waiter.record and "timed out" in waiter.record["message"].lower() else "waited in"
+    missing = [o.rank for o in ordered if _absent(o)]
+    return (
+        f"rank {waiter.rank} {verb} {waiter.collective}{group}, which {_ranks(missing)} never "
+        f"reached ({'it was' if len(missing) == 1 else 'they were'} elsewhere: stack below)"
+    )
+
+
+def _all_calls(outcomes: list[RankOutcome]) -> dict[int, str]:
+    calls: dict[int, str] = {}
+    for o in outcomes:
+        if o.record:
+            calls.update({int(r): c for r, c in (o.record.get("calls") or {}).items()})
+    return calls
+
+
+def _odd_calls(outcomes: list[RankOutcome]) -> dict[int, str]:
+    """The ranks whose call differs from the most common one, from torch's collective check."""
+    calls = _all_calls(outcomes)
+    if len(set(calls.values())) < 2:
+        return {}
+    counts = {c: list(calls.values()).count(c) for c in set(calls.values())}
+    usual = max(counts, key=lambda c: (counts[c], c))
+    return {r: c for r, c in calls.items() if c != usual}
+
+
+def _mismatch(odd: dict[int, str], calls: dict[int, str]) -> str:
+    usual = sorted(r for r in calls if r not in odd)
+    theirs = "; ".join(f"rank {r} called {c}" for r, c in sorted(odd.items()))
+    return (
+        f"{theirs}, unlike {_ranks(usual)} ({calls[usual[0]]}), found by torch's collective check "
+        f"before the call: every rank must make the same calls in the same order, with the same shapes"
+    )
+
+
+def _waiters(ordered: list[RankOutcome]) -> list[RankOutcome]:
+    return [o for o in ordered if o.collective is not None]
+
+
+def _all_waiting(ordered: list[RankOutcome], returned: list[int]) -> str:
+    ops = {o.rank: o.collective for o in ordered if o.collective}  # ranks of unknown whereabouts left out
+    if not ops:
+        return f"{_ranks(sorted(o.rank for o in ordered))} failed or were stopped, and none said where (see below)"
+    if len(set(ops.values())) > 1:
+        calls = ", ".join(f"rank {r} in {op or 'no collective'}" for r, op in sorted(ops.items()))
+        return f"the ranks called different collectives ({calls}): every rank must make the same calls in the same order"
+    op = next(iter(ops.values()))
+    if returned:
+        return f"{_ranks(sorted(ops))} waited in {op}, which {_ranks(returned)} returned without calling"
+    return f"{_ranks(sorted(ops))} waited in {op} for a peer that never joined it"
+
+
+def _consequence(o: RankOutcome) -> str:
+    if o.state == "running":
+        where = f" in {o.collective}" if o.collective else ""
+        return f"rank {o.rank} was {o.how}{where}"
+    if o.state == "raised":
+        where = f" in {o.collective}" if o.collective else ""
+        return f"rank {o.rank} raised {o.record['type']}{where}: {_first_line(o.record['message'])}"
+    return f"rank {o.rank} ended ({exit_description(o.exit_code)})"
+
+
+# -- one section per rank ----------------------------------------------------------------------
+
+
+def _section(o: RankOutcome, is_first: bool) -> str:
+    role = "root cause" if is_first else "then"
+    if o.state == "raised":
+        title, body = f"rank {o.rank}: raised", o.record["traceback"]
+    elif o.state == "exited":
+        title, body = f"rank {o.rank}: worker process died ({exit_description(o.exit_code)})", o.stack
+    else:
+        title, body = f"rank {o.rank}: did not answer ({o.how}; Python stack below)", o.stack or "(no stack dump was written)"
+    parts = [f"===== {title} [{role}] =====", body.rstrip()]
+    if o.output:
+        parts.append(f"----- rank {o.rank} output (last lines) -----\n{o.output.rstrip()}")
+    return "\n".join(p for p in parts if p)
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
