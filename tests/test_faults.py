@@ -9,7 +9,10 @@ cause (exception text, exit code, signal, stack), within the timeout plus a few 
 """
 
 import os
+import pathlib
 import re
+import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -183,8 +186,24 @@ def test_launch_with_check_collectives_names_the_odd_rank_before_anything_is_sen
         assert f"rank {culprit} called {odd_call}, unlike ranks 0, 1, 2 ({usual_call})" in summary, message
 
 
-def test_launch_returns_quietly_when_every_rank_succeeds():
+def test_launch_returns_quietly_and_gives_back_the_signal_handlers_the_agent_replaced():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert launch(_sums_ranks, nproc=2) is None
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # Ctrl-C is KeyboardInterrupt again
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_agent_names_the_rank_that_raised_not_its_peer():
+    # launch records the rank's exception in the agent's error file: torchrun prints its traceback
+    job = pathlib.Path(__file__).with_name("fault_job.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(job), "torchrun", "-"],
+        capture_output=True, text=True, timeout=120, cwd=job.parents[1],
+    )
+    assert done.returncode != 0
+    root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause, done.stderr
+    assert "ValueError: boom under torchrun" in root_cause, done.stderr
 
 
 def test_launch_repeats_the_raising_rank_20_of_20_times():

@@ -257,7 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         >>> main(["--nproc", "2", "--steps", "10"])
     """
     options = _parse(argv)
-    launch(_run, options, nproc=options.nproc)
+    try:
+        launch(_run, options, nproc=options.nproc)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher already stopped every rank
+        print("torch_tp demo: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

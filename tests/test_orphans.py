@@ -1,0 +1,111 @@
+"""No orphans: when the process that started a run dies, everything it started ends.
+
+``tests/fault_job.py`` starts two ranks with ``torch_tp.launch`` (torch's elastic agent, a fork
+server, the ranks) or with ``run_on_ranks`` (a fork server and a pool), one rank blocked inside
+an all_reduce. The job is then killed with SIGKILL (no cleanup at all), SIGTERM or SIGINT
+(Ctrl-C); within 5 s none of its descendants may be running (a zombie, already ended and waiting
+for its new parent to reap it, counts as gone).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = Path(__file__).with_name("fault_job.py")
+GRACE_S = 5.0
+
+
+def _children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat:
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    return children
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # [state, ppid, ...]
+
+
+def _descendants(pid: int) -> set[int]:
+    children, found, todo = _children_of(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if (stat := _stat(pid)) is not None and stat[0] != "Z"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("mode", ["launch", "pool"])
+def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
+    flag = tmp_path / "ranks_in_place"
+    job = subprocess.Popen(
+        [sys.executable, str(JOB), mode, str(flag)], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists():
+            assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 is inside its all_reduce
+        started = _descendants(job.pid)
+        assert len(started) >= 2, started  # at least the two ranks
+        job.send_signal(sig)
+        job.wait(timeout=30)
+        deadline = time.monotonic() + GRACE_S
+        while (left := _running(started)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
+    finally:
+        for pid in _running(_descendants(job.pid)) | ({job.pid} if job.poll() is None else set()):
+            os.kill(pid, signal.SIGKILL)
+        job.wait(timeout=30)
+        job.stderr.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_in_the_demo_ends_every_rank_promptly():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "torch_tp.demo", "--steps", "2000"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        for line in demo.stdout:  # the ranks are training once the progress bar starts
+            if "training:" in line:
+                break
+        time.sleep(1.0)
+        started = _descendants(demo.pid)
+        assert len(started) >= 2, started
+        interrupted = time.monotonic()
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=GRACE_S) == 130, demo.stderr.read()
+        assert "torch_tp demo: interrupted" in demo.stderr.read()
+        while (left := _running(started)) and time.monotonic() < interrupted + GRACE_S:
+            time.sleep(0.1)
+        assert not left, left
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        demo.wait(timeout=30)
