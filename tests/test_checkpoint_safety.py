@@ -4,7 +4,9 @@
   weight, Python values (ints, floats, strings, ``None``, bytes, tuples, lists, nested dicts)
   in one process; on 2 gloo ranks a tensor-parallel MLP with its AdamW state
   (``get_state_dict`` / ``set_state_dict``: step counts, moments, hyperparameters) and a
-  quantized, tensor-parallel Llama. Every value loaded into differs before the load.
+  quantized, tensor-parallel Llama; float and int8 Llamas saved on 2 ranks and loaded on 4, and
+  the reverse, equal the one-process model bit for bit. Every value loaded into differs before
+  the load.
 - A ``.metadata`` whose pickle calls ``exec``, ``os.system`` or ``pathlib.Path.write_text``
   (to write a marker file) raises ``pickle.UnpicklingError`` naming the global, and the marker
   is not written; plain ``dcp.load`` of the same file writes it. The same for a non-tensor
@@ -237,6 +239,40 @@ def test_quantized_tensor_parallel_llama_round_trips_bit_for_bit_on_2_ranks(tmp_
     tokens = torch.arange(16).reshape(2, 8) % 64
     with torch.no_grad():
         assert torch.equal(fresh(tokens), model(tokens))
+
+
+def _llama_on_ranks(seed, quantized):
+    model = small_llama(seed=seed, n_layers=1)
+    model = quantize_weights(model) if quantized else model
+    return parallelize_module(model, tp_mesh(), tensor_parallel_plan())
+
+
+def _save_llama(path, quantized):
+    save(_llama_on_ranks(0, quantized).state_dict(), path)
+
+
+def _load_llama(path, quantized):
+    fresh = _llama_on_ranks(1, quantized)
+    state = fresh.state_dict()
+    load(state, path)  # in place, into this world size's shards
+    return _plain(state)
+
+
+def _single_process_state(seed, quantized):
+    model = small_llama(seed=seed, n_layers=1)
+    return _plain((quantize_weights(model) if quantized else model).state_dict())
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("save_ranks, load_ranks", [(2, 4), (4, 2)], ids=["2to4", "4to2"])
+def test_resharding_through_torch_tp_checkpoint_is_bit_exact(save_ranks, load_ranks, quantized, tmp_path):
+    run_on_ranks(_save_llama, save_ranks, str(tmp_path), quantized)
+    loaded = run_on_ranks(_load_llama, load_ranks, str(tmp_path), quantized)
+    expected, before = _single_process_state(0, quantized), _single_process_state(1, quantized)
+    weight = (lambda v: v[1]) if quantized else (lambda v: v)  # int8: compare the qdata
+    assert not torch.equal(weight(expected["output.weight"]), weight(before["output.weight"]))  # the load overwrites
+    for state in loaded:
+        _assert_identical(state, expected)  # every rank: the one-process model, bit for bit
 
 
 # ------------------------------------------------------------------ tampered pickles

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import glob
 import json
 import logging
@@ -191,6 +192,10 @@ def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:
     # learn of the failure from the launcher, not from a closed connection.
     dist.barrier()
     dist.destroy_process_group()
+    # What fn built (a model's hooks, meshes) can sit in reference cycles that would otherwise
+    # be collected during interpreter shutdown, destroying gloo objects with the runtime half
+    # gone: "terminate called without an active exception", SIGABRT after a successful run.
+    gc.collect()
 
 
 def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:
