@@ -54,9 +54,9 @@ def without_watcher_threads(stack_dump: str) -> str:
 
     Example::
 
-        >>> dump = 'Thread 0x1 (most recent call first):\n  File "/x/_orphans.py", line 9 in _wait_then_die\n\n' \\
-        ...        'Current thread 0x2 (most recent call first):\n  File "t.py", line 5 in main\n'
-        >>> print(without_watcher_threads(dump))
+        >>> watcher = ["Thread 0x1 (most recent call first):", '  File "/x/_orphans.py", line 9 in _wait_then_die']
+        >>> main = ["Current thread 0x2 (most recent call first):", '  File "t.py", line 5 in main']
+        >>> print(without_watcher_threads("\\n".join(watcher) + "\\n\\n" + "\\n".join(main)))
         Current thread 0x2 (most recent call first):
           File "t.py", line 5 in main
     """

@@ -31,7 +31,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-__all__ = ["COLLECTIVES", "collective_in_stack", "exception_record", "mismatched_calls"]
+__all__ = ["COLLECTIVES", "collective_in_stack", "exception_record", "mismatched_calls", "recording_in_stack"]
 
 #: torch.distributed functions that are (or wait on) one collective.
 COLLECTIVES = frozenset(
@@ -108,6 +108,18 @@ def collective_in_stack(stack: str) -> str | None:
         if _in_torch_distributed(match["file"]) and match["name"] in COLLECTIVES:
             return match["name"]
     return None
+
+
+def recording_in_stack(stack: str) -> bool:
+    """Whether a stack dump caught the rank recording its own failure (its whereabouts before that
+    are in the record it was writing, not in this stack).
+
+    Example::
+
+        >>> recording_in_stack('  File "/x/torch_tp/_rank_failure.py", line 74 in exception_record\n')
+        True
+    """
+    return any(match["name"] == "exception_record" for match in _STACK_LINE.finditer(stack))
 
 
 def _qualified_name(cls: type) -> str:

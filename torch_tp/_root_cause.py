@@ -29,7 +29,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_tp._rank_failure import collective_in_stack
+from torch_tp._rank_failure import collective_in_stack, recording_in_stack
 
 __all__ = ["RankOutcome", "explain", "exit_description", "root_cause"]
 
@@ -82,8 +82,9 @@ class RankOutcome:
 
 
 def _absent(o: RankOutcome) -> bool:
-    """Still running, and its stack shows it outside any collective (an unknown stack proves nothing)."""
-    return o.state == "running" and bool(o.stack.strip()) and o.collective is None
+    """Still running, and its stack shows it outside any collective (an empty stack, or one caught
+    while the rank recorded its own failure, proves nothing)."""
+    return o.state == "running" and bool(o.stack.strip()) and o.collective is None and not recording_in_stack(o.stack)
 
 
 def root_cause(outcomes: list[RankOutcome]) -> list[RankOutcome]:
@@ -133,33 +134,34 @@ def exit_description(exit_code: int | None) -> str:
     if exit_code is None:
         return "exit code unknown"
     if exit_code < 0:
-        try:
-            name = signal.Signals(-exit_code).name
-        except ValueError:
-            name = f"signal {-exit_code}"
-        return f"exit code {exit_code}, killed by {name}"
+        return f"exit code {exit_code}, killed by {_signal_name(-exit_code)}"
     return f"exit code {exit_code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # -- the summary line -------------------------------------------------------------------------
 
 
 def _summary(ordered: list[RankOutcome], everyone: list[RankOutcome]) -> str:
-    first = ordered[0]
     odd = _odd_calls(everyone)
     if odd:
         return _mismatch(odd, _all_calls(everyone))
+    first = ordered[0]
     if first.is_cause:
-        text = _what_it_did(first)
+        text, named = _what_it_did(first), {first.rank}
     elif _absent(first):
-        text = _did_not_arrive(first, ordered)
+        waiters = _waiters(ordered)[:1]
+        text, named = _did_not_arrive(first, ordered), {o.rank for o in ordered if _absent(o)} | {o.rank for o in waiters}
     else:
-        text = _all_waiting(ordered, [o.rank for o in everyone if not o.failed])
-    named = {first.rank} | ({_waiters(ordered)[0].rank} if not first.is_cause and _waiters(ordered) else set())
-    rest = [o for o in ordered[1:] if o.rank not in named]
-    if rest and (first.is_cause or _absent(first)):
-        text += "; then " + "; ".join(_consequence(o) for o in rest)
-    return text
+        return _all_waiting(ordered, [o.rank for o in everyone if not o.failed])
+    rest = [o for o in ordered if o.rank not in named]
+    return text + ("; then " + "; ".join(_consequence(o) for o in rest) if rest else "")
 
 
 def _what_it_did(o: RankOutcome) -> str:
@@ -171,7 +173,7 @@ def _what_it_did(o: RankOutcome) -> str:
     if o.exit_code == 0:
         return f"rank {o.rank} exited with code 0 before its function returned (os._exit, or a library ending the process)"
     if o.exit_code is not None and o.exit_code < 0:
-        return f"rank {o.rank} was killed by {exit_description(o.exit_code).split('killed by ')[1]}{where}"
+        return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}"
     return f"rank {o.rank} exited with code {o.exit_code}"
 
 

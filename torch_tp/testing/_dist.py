@@ -69,7 +69,7 @@ DEFAULT_TASK_TIMEOUT = 120.0
 STARTUP_TIMEOUT = 120.0
 
 #: After the first rank fails, how long the other ranks get to answer.
-FAILURE_GRACE = 0.5
+FAILURE_GRACE = 1.0
 
 #: Multiprocessing start method for workers. ``forkserver`` (with torch
 #: preloaded in the server) starts a pool several times faster than ``spawn``;
