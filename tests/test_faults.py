@@ -69,6 +69,18 @@ def _passes_another_size():
     dist.all_reduce(torch.ones(1000 if dist.get_rank() == _culprit() else 4))
 
 
+def _rowwise_gets_the_wrong_width():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_tp import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    layer = parallelize_module(torch.nn.Linear(8, 4), mesh, RowwiseParallel())
+    width = 8 // dist.get_world_size() + (1 if dist.get_rank() == _culprit() else 0)
+    layer(torch.ones(2, width))  # its local matmul fails; the others wait in the reduction
+
+
 def _sums_ranks():
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
@@ -183,6 +195,16 @@ def test_a_size_mismatch_names_the_rank_gloo_aborts_and_why(fail, world_size):
     assert _cause(message).startswith(f"rank {aborted} was killed by SIGABRT"), message
     assert "Received data size doesn't match expected size" in message, message
     assert _exit_code(error, aborted) in (-6, None)
+
+
+@HARNESSES
+def test_a_shape_error_under_rowwise_parallel_on_one_rank_names_that_rank_within_seconds(fail):
+    # the failing rank raises before the reduction; its peers, blocked in it, are stopped (launch)
+    # or reported after it (run_on_ranks) long before the collective timeout
+    error, message = fail(_rowwise_gets_the_wrong_width, 4)
+    assert error.root_cause_rank == 3, message
+    assert _cause(message).startswith("rank 3 raised RuntimeError: "), message
+    assert "in _rowwise_gets_the_wrong_width" in message.split("[then]")[0], message
 
 
 @HARNESSES
