@@ -59,6 +59,7 @@ def _running(pids: set[int]) -> set[int]:
 @pytest.mark.parametrize("mode", ["launch", "pool"])
 def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
     flag = tmp_path / "ranks_in_place"
+    started: set[int] = set()
     job = subprocess.Popen(
         [sys.executable, str(JOB), mode, str(flag)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -78,8 +79,8 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
         while (left := _running(started)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
-    finally:
-        for pid in _running(_descendants(job.pid)) | ({job.pid} if job.poll() is None else set()):
+    finally:  # whatever is left (a failed check) must not outlive the test
+        for pid in _running(started | _descendants(job.pid)) | ({job.pid} if job.poll() is None else set()):
             os.kill(pid, signal.SIGKILL)
         job.wait(timeout=30)
         job.stderr.close()
@@ -87,6 +88,7 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_in_the_demo_ends_every_rank_promptly():
+    started: set[int] = set()
     demo = subprocess.Popen(
         [sys.executable, "-m", "torch_tp.demo", "--steps", "2000"], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -106,6 +108,6 @@ def test_ctrl_c_in_the_demo_ends_every_rank_promptly():
             time.sleep(0.1)
         assert not left, left
     finally:
-        if demo.poll() is None:
-            demo.kill()
+        for pid in _running(started | _descendants(demo.pid)) | ({demo.pid} if demo.poll() is None else set()):
+            os.kill(pid, signal.SIGKILL)
         demo.wait(timeout=30)

@@ -107,11 +107,16 @@ def redistribute_to(value: DTensor, layout: Placement) -> DTensor:
     """Redistribute ``value`` to the single-mesh-axis ``layout`` if it is not already there.
 
     ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout: no redistribution.
+
+    Synchronous: every caller's next op needs the result. (An async redistribute hands user
+    code an ``AsyncCollectiveTensor``; in torch 2.13 one that enters a ``torch.compile``d
+    module, as an embedding's output enters the first compiled block, breaks its backward:
+    ``Redistribute.backward`` gets a plain tensor.)
     """
     layout = _with_positive_dim(layout, value.ndim)
     if tuple(value.placements) == (layout,):
         return value
-    return value.redistribute(placements=(layout,), async_op=True)
+    return value.redistribute(placements=(layout,))
 
 
 def finish_output(value: DTensor, use_local_output: bool) -> torch.Tensor:

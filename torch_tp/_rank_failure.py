@@ -53,8 +53,11 @@ _FINGERPRINT = re.compile(
 _STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<name>\S+)')
 
 
-def exception_record(exc: BaseException) -> dict[str, Any]:
+def exception_record(exc: BaseException, *, with_traceback: bool = True) -> dict[str, Any]:
     """A record of ``exc`` as raised on this rank (see the module docstring for its keys).
+
+    ``with_traceback=False`` leaves the traceback empty: formatting it reads source files,
+    and a rank about to be stopped writes the rest of the record first.
 
     Example::
 
@@ -71,7 +74,7 @@ def exception_record(exc: BaseException) -> dict[str, Any]:
     return {
         "type": _qualified_name(type(exc)),
         "message": message,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if with_traceback else "",
         "time_ns": time.time_ns(),
         "collective": collective,
         "symptom": not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__),

@@ -252,7 +252,10 @@ def _consequence(o: RankOutcome) -> str:
 def _section(o: RankOutcome, is_first: bool) -> str:
     role = "root cause" if is_first else "then"
     if o.state == "raised":
-        title, body = f"rank {o.rank}: raised", o.record["traceback"]
+        title = f"rank {o.rank}: raised"
+        body = o.record["traceback"] or (
+            f"{o.record['type']}: {o.record['message']}\n(no traceback: the rank was stopped while writing it)"
+        )
     elif o.state == "exited":
         title, body = f"rank {o.rank}: worker process died ({exit_description(o.exit_code)})", o.stack
     else:

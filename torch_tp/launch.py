@@ -227,21 +227,13 @@ def _elastic_rank(
     try:
         _run_rank(fn, args, timeout)
     except BaseException as exc:
-        with _sigterm_deferred():  # the agent may already be stopping the ranks: record first
-            _write_json(_record_path(run_dir, rank), exception_record(exc))
+        # The agent may already be stopping the ranks (SIGTERM reaches whichever thread it
+        # likes, so it cannot be held back): the record without its traceback goes first, in
+        # microseconds; formatting the traceback reads source files and takes far longer.
+        _write_json(_record_path(run_dir, rank), exception_record(exc, with_traceback=False))
+        _write_json(_record_path(run_dir, rank), exception_record(exc))
         raise
     _write_json(_record_path(run_dir, rank), {"done": True})
-
-
-@contextlib.contextmanager
-def _sigterm_deferred() -> Iterator[None]:
-    """Hold SIGTERM back for the few milliseconds a rank takes to write its record."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        yield
-    finally:
-        if blocked is not None and signal.SIGTERM not in blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -151,7 +151,6 @@ def fully_shard_by_pattern(
     min_weight_size = check_min_weight_size(min_weight_size, _CALLER)
     mp_policy = _mixed_precision(mp_policy)
     require_before(model, _CALLER, later=("fully_shard",))
-    _refuse_compiled(model)
     _require_tp_params_on(model, tp_mesh, mesh, tp_dim)
     units = outermost_matches(model, patterns, what=f"{_CALLER} pattern")
     _require_shared_params_in_one_unit(model, units)
@@ -181,27 +180,6 @@ def _dp_and_tp_meshes(mesh: object, dp_dim: str, tp_dim: str) -> tuple[DeviceMes
     if mesh.ndim == 1:
         return mesh, None
     return mesh[dp_dim], mesh[tp_dim] if tp_dim in axes else None
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """``module.compile()``, ``torch.compile(module)`` or a compiled ``forward`` set on the instance."""
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-        return True
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        return True
-    return hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
-
-
-def _refuse_compiled(model: nn.Module) -> None:
-    """FSDP2 over compiled blocks gives wrong embedding gradients in torch 2.13, with no error."""
-    for path, module in model.named_modules():
-        if _is_compiled(module):
-            raise ValueError(
-                f"{_CALLER}: module {path or '<root>'!r} ({type(module).__name__}) is compiled; in torch "
-                f"{torch.__version__.split('+')[0]} FSDP2 over compiled blocks trains with wrong gradients (the "
-                f"embedding's), silently, and compiling after FSDP2 fails. Leave the model uncompiled for "
-                f"FSDP2 (see docs/fsdp_tp.md, Limits)"
-            )
 
 
 def _mixed_precision(mp_policy: object) -> MixedPrecisionPolicy:

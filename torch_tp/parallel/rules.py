@@ -507,6 +507,21 @@ def _check_linear_or_embedding(
     if overlap:
         _require_linear(module, style, "overlap=True", "fuses an nn.Linear's matmul with its communication",
                         "overlap=False", module_path)
+    if not colwise and isinstance(module, nn.Embedding):
+        _require_local_lookup(module, style, module_path)
+
+
+def _require_local_lookup(module: nn.Embedding, style: str, module_path) -> None:
+    """A vocab-parallel lookup sees only its rows: options that need the whole table are refused."""
+    options = {"max_norm": module.max_norm is not None, "scale_grad_by_freq": module.scale_grad_by_freq,
+               "sparse": module.sparse}
+    unsupported = [name for name, on in options.items() if on]
+    if unsupported:
+        raise UnsupportedModuleError(
+            f"{style} cannot shard {describe(module, module_path)} by vocabulary with {unsupported} set: "
+            f"each rank looks up only its own rows (renorming, frequency scaling and sparse gradients "
+            f"need the whole table); turn them off, or use ColwiseParallel (shards the embedding dim)"
+        )
 
 
 def _require_linear(module: nn.Module, style: str, setting: str, why: str, fix: str, module_path) -> None:

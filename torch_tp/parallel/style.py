@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, to_dtensor
 from torch_tp.parallel import _overlap, rules
+from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
 __all__ = [
     "ParallelStyle",
@@ -365,7 +366,10 @@ class RowwiseParallel(_LinearStyle):
 
     Linear: the weight becomes ``Shard(1)``, the bias ``Replicate()``, and the input is
     expected sharded on its last dim. Embedding: the weight becomes ``Shard(0)`` and the token
-    ids are replicated. The partial-sum output is reduced to ``output_layouts``. A local
+    ids are replicated; each rank looks up the ids in its rows (a local lookup, Megatron's
+    vocab-parallel embedding), so the weight's gradient stays ``Shard(0)`` (a subclass with its
+    own ``forward`` runs it on DTensor's embedding rule instead). The partial-sum output is
+    reduced to ``output_layouts``. A local
     input whose last dim is unevenly sharded (a Colwise layer with 10 outputs on 4 ranks
     hands over 3, 3, 3, 1 columns) is rebuilt with the Linear's true ``in_features``.
     Function form: :func:`torch_tp.functional.rowwise`.
@@ -421,6 +425,9 @@ class RowwiseParallel(_LinearStyle):
         ))
         if self.overlap:
             _overlap.install_rowwise(module, device_mesh, layout=self.output_layouts, module_path=module_path)
+        if is_embedding and type(module).forward is nn.Embedding.forward:
+            # a subclass's own forward (Gemma scales the rows) keeps DTensor's embedding rule
+            replace_forward(module, vocab_parallel_lookup, device_mesh=device_mesh)
         module.register_forward_hook(
             partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
         )
