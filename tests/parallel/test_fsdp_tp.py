@@ -108,9 +108,11 @@ def test_2d_llama_matches_single_process_through_3_adamw_steps(sequence_parallel
     _train_and_compare(model, reference, mesh["dp"])
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize(
+    "sequence_parallel, checkpoint", [(False, False), (True, False), (True, True)], ids=["tp", "sp", "sp-selective-checkpoint"]
+)
 @on_ranks(4)
-def test_2d_llama_with_compiled_blocks_matches_single_process_with_no_graph_break(sequence_parallel):
+def test_2d_llama_with_compiled_blocks_matches_single_process_with_no_graph_break(sequence_parallel, checkpoint):
     # torchtitan's order: TP, then each block compiled, then FSDP2 (its hooks run outside the
     # compiled blocks). The embedding's output enters the first compiled block: an async
     # redistribute there broke the backward in torch 2.13 (see _layouts.redistribute_to).
@@ -122,6 +124,8 @@ def test_2d_llama_with_compiled_blocks_matches_single_process_with_no_graph_brea
     model = small_llama(seed=0)
     reference = copy.deepcopy(model)
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=sequence_parallel))
+    if checkpoint:
+        checkpoint_by_pattern(model, "layers.*", policy=save_collectives_and_matmuls)
     for block in model.layers:
         block.compile(backend="aot_eager", fullgraph=True)
     fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_SIZE)

@@ -144,6 +144,50 @@ def test_rowwise_embedding_shards_the_vocabulary():
     torch.testing.assert_close(seq, local_chunk(expected.detach(), 1), **TOL)
 
 
+@on_ranks(2, 4)
+def test_rowwise_embedding_looks_up_its_own_rows_and_keeps_its_gradient_sharded():
+    # 21 rows on 4 ranks: 6, 6, 6, 3 (torch.chunk); a padding row on rank 1; a Gemma-like
+    # subclass with its own forward keeps DTensor's embedding rule and still matches
+    reference = nn.Embedding(21, 8, padding_idx=7)
+    ids = torch.randint(0, 21, (3, 5))
+    ids[0, 0] = 7
+    expected = reference(ids)
+    expected.square().sum().backward()
+    for build in (lambda: copy.deepcopy(reference), lambda: _Scaled.like(reference)):
+        module = build()
+        sharded = parallelize_module(module, tp_mesh(), RowwiseParallel())
+        out = sharded(ids)
+        out.square().sum().backward()
+        torch.testing.assert_close(out, expected * getattr(module, "scale", 1.0), **TOL)
+        if not isinstance(module, _Scaled):
+            grad = sharded.weight.grad
+            assert grad.placements == (Shard(0),), grad.placements  # DTensor's rule: Replicate()
+            assert grad.to_local().shape == sharded.weight.to_local().shape
+            torch.testing.assert_close(grad.full_tensor(), reference.weight.grad, **TOL)
+            assert grad.full_tensor()[7].abs().sum() == 0  # the padding row gets no gradient
+
+
+class _Scaled(nn.Embedding):
+    scale = 2.0
+
+    @classmethod
+    def like(cls, embedding):
+        made = cls(embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx)
+        made.load_state_dict(embedding.state_dict())
+        return made
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}], ids=str)
+def test_rowwise_embedding_refuses_options_that_need_the_whole_table(option):
+    from torch_tp.parallel.rules import UnsupportedModuleError, check_rowwise
+
+    with pytest.raises(UnsupportedModuleError, match=rf"RowwiseParallel cannot shard 'emb' .* by vocabulary with \['{next(iter(option))}'\] set"):
+        check_rowwise(nn.Embedding(8, 4, **option), 2, "emb")
+
+
 # ------------------------------------------------------------------ uneven shards
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tp import checkpoint_by_pattern, fully_shard_by_pattern, parallelize_module
+from torch_tp import checkpoint_by_pattern, fully_shard_by_pattern, parallelize_module, save_collectives_and_matmuls
 from torch_tp.models.llama import tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor
 from torch_tp.testing import TOL, full_tensor, mesh_2x2, on_ranks, quantize_weights, small_llama, tp_mesh
@@ -83,19 +83,29 @@ def test_int8_llama_under_fsdp2_matches_one_process_through_3_adamw_steps(shard_
     _train_and_compare(model, reference)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 @on_ranks(4)
-def test_int8_llama_on_dp2_x_tp2_matches_one_process_through_3_adamw_steps(checkpoint):
-    # TP shards the int8 weights on tp (colwise rows, rowwise columns), FSDP2 the local shards on dp
+def test_int8_llama_on_dp2_x_tp2_matches_one_process_through_3_adamw_steps(checkpoint, compiled):
+    # TP shards the int8 weights on tp (colwise rows, rowwise columns), FSDP2 the local shards on dp;
+    # compiled: each block compiled (fullgraph) before FSDP2, as torchtitan orders it
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     reference, model = _int8_llama(), _int8_llama()
     mesh = mesh_2x2()
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=True))
     if checkpoint:
-        checkpoint_by_pattern(model, "layers.*")
+        checkpoint_by_pattern(model, "layers.*", policy=save_collectives_and_matmuls if compiled else None)
+    if compiled:
+        for block in model.layers:
+            block.compile(backend="aot_eager", fullgraph=True)
     fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=256)
     weight = model.layers[0].attention.wq.weight
     assert isinstance(weight.to_local(), Int8SymmetricTensor) and weight.to_local().qdata.numel() * 4 == weight.numel()
     _train_and_compare(model, reference)
+    assert dict(counters["graph_break"]) == {}
 
 
 @on_ranks(2)
