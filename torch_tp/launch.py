@@ -204,7 +204,7 @@ def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> N
     try:
         _run_rank(fn, args, timeout)
     except Exception as exc:
-        if exception_record(exc)["symptom"]:
+        if exception_record(exc, with_traceback=False)["symptom"]:
             time.sleep(SYMPTOM_GRACE_SECONDS)  # let the agent see the root cause first
         ErrorHandler().record_exception(exc)  # what @record writes: torchrun prints it
         raise
@@ -346,9 +346,10 @@ def _outcome(run_dir: str, rank: int, exit_code: int | None) -> RankOutcome:
     # Stopped by the agent while running: the agent lists such a rank with its signal, or not at
     # all (then its SIGTERM stack dump tells it apart from a rank that exited 0 on its own).
     stopped = exit_code in (-signal.SIGTERM, -signal.SIGKILL)
-    if stopped or (exit_code == 0 and _stack_of(run_dir, rank, wait=0.0)):
+    stack = _stack_of(run_dir, rank, wait=_STACK_WAIT if stopped else 0.0)
+    if stopped or (exit_code == 0 and stack):
         how = "stopped by the launcher (SIGTERM)" if exit_code in (0, -signal.SIGTERM) else "stopped by the launcher (SIGKILL)"
-        return RankOutcome(rank, "running", exit_code=exit_code, stack=_stack_of(run_dir, rank), output=output, how=how)
+        return RankOutcome(rank, "running", exit_code=exit_code, stack=stack, output=output, how=how)
     before, fatal = _split_fatal_dump(output)
     if exit_code == 0 and fatal:  # killed by a fatal signal the agent did not get to list
         exit_code = _FATAL_SIGNALS.get(fatal.splitlines()[0].removeprefix("Fatal Python error: ").strip(), exit_code)
@@ -363,7 +364,8 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _stack_of(run_dir: str, rank: int, wait: float = _STACK_WAIT) -> str:
+def _stack_of(run_dir: str, rank: int, wait: float) -> str:
+    """The rank's SIGTERM stack dump, waiting up to ``wait`` seconds for it to appear."""
     path = _stack_path(run_dir, rank)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:

@@ -6,15 +6,10 @@ share as a ``Partial`` DTensor, which the style's output hook reduces to its
 ``output_layouts`` (an all-reduce, or a reduce-scatter onto the sequence). Megatron's
 ``VocabParallelEmbedding`` does the same.
 
-DTensor's own embedding rule (``MaskPartial``) computes the same forward, but in torch 2.13:
-
-- its backward returns the table's gradient ``Replicate()``: every rank holds the whole
-  vocab × dim gradient and the optimizer keeps it whole;
-- a compiled block after it breaks the backward (``'Tensor' object has no attribute
-  '_local_tensor'`` in ``Redistribute.backward``, with upstream's styles too), and under FSDP2
-  the table's gradient comes back wrong without an error.
-
-Here the gradient of the local lookup is the local rows' gradient: it stays ``Shard(0)``.
+DTensor's own embedding rule (``MaskPartial``) computes the same forward, but in torch 2.13
+its backward returns the table's gradient ``Replicate()``: every rank holds the whole
+vocab × dim gradient, and the optimizer keeps it whole. Here the gradient of the local
+lookup is the local rows' gradient: it stays ``Shard(0)``.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
     try:
         return ("ok", pickle.dumps(result))
     except Exception as exc:
-        record = exception_record(exc)
+        record = exception_record(exc, with_traceback=False)  # its traceback is set below
         record["traceback"] = (
             "the return value is not picklable; return plain data or tensors "
             "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc()
@@ -138,7 +138,7 @@ def _adopt_sys_path(parent_path: list[str]) -> None:
 
 def _failure_record(exc: BaseException) -> dict[str, Any]:
     """:func:`torch_tp._rank_failure.exception_record`, with the harness's own frame left out."""
-    record = exception_record(exc)
+    record = exception_record(exc, with_traceback=False)
     record["traceback"] = _format_exception()
     return record
 
