@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 from dataclasses import dataclass
 
@@ -84,7 +83,7 @@ from torch_tp.models.llama import ModelArgs, TransformerBlock, block_tensor_para
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
+from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, report_header, run_worlds  # noqa: E402
 from _measure import format_counts, local_parameter_bytes, measure_collectives, measure_hook_cpu, median_ms, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -136,14 +135,9 @@ VARIANTS = (
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     sizes: tuple[str, ...]
-    iters: int
-    warmup: int
     hook_rounds: int
-    result_path: str
 
 
 # ------------------------------------------------------------------------------- plans
@@ -377,16 +371,13 @@ def format_hook_breakdown(rows: list[dict]) -> str:
 
 
 def format_report(rows: list[dict], options: argparse.Namespace, sizes: tuple[str, ...]) -> str:
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     described = "; ".join(
         f"{s}: dim {SIZES[s].dim}, {SIZES[s].n_heads} heads, ffn {SIZES[s].ffn_hidden}, "
         f"batch {SIZES[s].batch}, seq {SIZES[s].seq}"
         for s in sizes
     )
     parts = [
-        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs; {options.iters} timed rounds "
-        f"after {options.warmup} warm-up, hooks timed over {options.hook_rounds} rounds; "
-        f"1-min load average {options.load_before:.1f} before starting",
+        report_header(options, rounds=f", hooks timed over {options.hook_rounds} rounds"),
         described,
         "",
         markdown_table(COLUMNS, [table_cells(row) for row in rows]),
@@ -402,11 +393,8 @@ def format_report(rows: list[dict], options: argparse.Namespace, sizes: tuple[st
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/compare_upstream.py", __doc__.splitlines()[0],
-        iters=(40, 8), warmup=(5, 2), what="block size", quick="tiny size only, few rounds",
-        min_iters=2,  # quartiles need two samples
-    )
+    parser = benchmark_arguments(__file__, __doc__, iters=(40, 8), warmup=(5, 2), what="block size",
+                                 quick="tiny size only, few rounds", min_iters=2)  # quartiles need two samples
     parser.add_argument("--hook-breakdown", action="store_true",
                         help="also print forward-hook CPU time by style (torch_tp vs upstream-same)")
     options = finish_arguments(parser, argv)
@@ -416,9 +404,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
     sizes = ("tiny",) if options.quick else ("small", "tiny")
-    config = Config(sizes, options.iters, options.warmup, options.hook_rounds, result_path="")
+    config = Config(sizes, options.hook_rounds, iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes, ", ".join(sizes))
     if rows:
         print(format_report(rows, options, sizes))

@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
-import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -87,7 +85,7 @@ from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
 # _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, progress, run_world  # noqa: E402
+from _driver import RunConfig, markdown_table, parse_arguments, progress, report_header, run_world  # noqa: E402
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -102,15 +100,10 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     args: ModelArgs
     seq: int
     min_weight_size: int
-    iters: int
-    warmup: int
-    result_path: str
 
 
 # ------------------------------------------------------------------------- bytes sent
@@ -369,10 +362,8 @@ def format_report(result: dict, options: argparse.Namespace, config: Config) -> 
     none = result["checkpointing"][0]["activations"]
     ac_rows = [(r["ac"], f"{r['total'] / 2**20:.3f}", f"{r['activations'] / 2**20:.3f}", f"{r['activations'] / none:.3f}",
                 _counts(r["counts"]), _kib(r["sent"])) for r in result["checkpointing"]]
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     return "\n".join([
-        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs, 4 ranks; {config.iters} timed rounds after "
-        f"{config.warmup} warm-up",
+        report_header(options, ranks="4 ranks", load=False),
         f"Llama dim {a.dim}, {a.n_layers} layers, {a.n_heads} heads, ffn {a.ffn_hidden}, vocab {a.vocab_size}; batch "
         f"{BATCH} x {config.seq} tokens; AdamW; TP with sequence parallelism; min_weight_size {config.min_weight_size}",
         "",
@@ -385,20 +376,12 @@ def format_report(result: dict, options: argparse.Namespace, config: Config) -> 
     ])
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/fsdp_tp.py", __doc__.splitlines()[0],
-        iters=(10, 3), warmup=(2, 1), what="variant", quick="a small Llama, few rounds",
-    )
-    return finish_arguments(parser, argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    options = parse_args(argv)
+    options = parse_arguments(argv, __file__, __doc__, iters=(10, 3), warmup=(2, 1), what="variant",
+                              quick="a small Llama, few rounds")
     args = QUICK if options.quick else FULL
     config = Config(args, seq=16 if options.quick else 128, min_weight_size=1024 if options.quick else 2**14,
-                    iters=options.iters, warmup=options.warmup, result_path="")
-    config = dataclasses.replace(config)
+                    iters=options.iters, warmup=options.warmup)
     result = run_world(rank_main, 4, config)
     if result:
         print(format_report(result, options, config))

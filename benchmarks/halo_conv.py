@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ from torch_tp.testing import record_p2p, sent_bytes
 
 # _measure.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
+from _driver import RunConfig, markdown_table, parse_arguments, report_header, run_worlds  # noqa: E402
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -125,14 +124,9 @@ QUICK_IMAGE = (2, 8, 16, 512)
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     image: tuple[int, int, int, int]
     convs: tuple[ConvShape, ...]
-    iters: int
-    warmup: int
-    result_path: str
 
 
 # ------------------------------------------------------------------------------ bytes
@@ -354,11 +348,9 @@ def overlap_cells(row: dict) -> tuple[str, ...]:
 
 
 def format_report(rows: list[dict], options: argparse.Namespace, config: Config) -> str:
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     n, c, h, w = config.image
     return "\n".join([
-        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs; {config.iters} timed rounds after "
-        f"{config.warmup} warm-up; 1-min load average {options.load_before:.1f} before starting",
+        report_header(options),
         f"Conv2d {c}->{c}, input N={n} C={c} H={h} W={w} float32 ({n * c * h * w * 4 / 2**20:g} MiB), "
         f"sharded Shard(3) on width",
         "",
@@ -373,19 +365,11 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
 # -------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/halo_conv.py", __doc__.splitlines()[0],
-        iters=(20, 6), warmup=(3, 1), what="conv shape", quick="3 conv shapes on a smaller image, few rounds",
-    )
-    return finish_arguments(parser, argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]
+    options = parse_arguments(argv, __file__, __doc__, iters=(20, 6), warmup=(3, 1), what="conv shape",
+                              quick="3 conv shapes on a smaller image, few rounds")
     config = Config(QUICK_IMAGE if options.quick else IMAGE, QUICK_CONVS if options.quick else CONVS,
-                    options.iters, options.warmup, result_path="")
+                    iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes, f"{len(config.convs)} conv shapes")
     if rows:
         print(format_report(rows, options, config))

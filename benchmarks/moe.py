@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import textwrap
 import warnings
@@ -97,7 +96,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from torch_tp import parallelize_module
-from torch_tp.launch import launched_by_torchrun, rank_device
+from torch_tp.launch import rank_device
 from torch_tp.models.llama import ModelArgs
 from torch_tp.models.moe import MoEArgs, MoETransformer, tensor_parallel_plan
 from torch_tp.parallel import routing_summary
@@ -105,7 +104,8 @@ from torch_tp.testing import TOL, assert_params_and_grads_match, comm_counts
 
 # _driver.py and _measure.py are next to this script, whose directory running it (python3 or
 # torchrun) puts first on sys.path; spawned ranks inherit sys.path.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
+from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, report_header  # noqa: E402
+from _driver import run_worlds, world_sizes  # noqa: E402
 from _measure import CollectiveBytesMode, local_parameter_bytes, median_ms, tensor_bytes, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -133,14 +133,9 @@ QUICK = Sizes(dim=32, layers=2, experts=8, top_k=2, expert_hidden=32, tokens=32)
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     sizes: Sizes
     sequence_parallel: bool
-    iters: int
-    warmup: int
-    result_path: str
 
     def model_args(self) -> ModelArgs:
         s = self.sizes
@@ -568,11 +563,9 @@ def max_busiest(rows: list[dict], sizes: Sizes) -> float:
 def format_report(rows: list[dict], options: argparse.Namespace, config: Config) -> str:
     s = config.sizes
     sp = config.sequence_parallel
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     mode = "TP+SP (sequence-sharded between blocks)" if sp else "TP (replicated between blocks)"
     parts = [
-        f"torch {torch.__version__}, {backend}, {os.cpu_count()} CPUs; {config.iters} timed rounds after "
-        f"{config.warmup} warm-up; 1-min load average {options.load_before:.1f} before starting",
+        report_header(options),
         f"MoETransformer: dim {s.dim}, {s.layers} layers, {N_HEADS} heads, vocab {VOCAB}; {s.experts} experts "
         f"of hidden {s.expert_hidden}, top-{s.top_k}; {s.tokens} tokens per step; float32; {mode}; "
         f"step: (cross_entropy + {AUX} * aux_loss).backward(); bytes: the most any rank handed or sent",
@@ -595,11 +588,8 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/moe.py", __doc__.splitlines()[0],
-        iters=(30, 4), warmup=(3, 1), what="variant", quick="tiny sizes, few rounds",
-        min_iters=2,  # quartiles need two samples
-    )
+    parser = benchmark_arguments(__file__, __doc__, iters=(30, 4), warmup=(3, 1), what="variant",
+                                 quick="tiny sizes, few rounds", min_iters=2)  # quartiles need two samples
     for field, help_text in (
         ("dim", "model dim H"), ("layers", "decoder layers (each with an MoE block)"),
         ("experts", "experts E per MoE block (a multiple of every world size)"),
@@ -617,14 +607,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         name: getattr(options, name) if getattr(options, name) is not None else getattr(base, name)
         for name in Sizes.__dataclass_fields__
     })
-    if launched_by_torchrun():
-        worlds = [int(os.environ["WORLD_SIZE"])]
-    else:
-        worlds = [int(w) for w in options.world_sizes.split(",")]
     s = options.sizes
     if not 1 <= s.top_k <= s.experts:
         parser.error(f"--top-k {s.top_k} must be in [1, --experts {s.experts}]")
-    for world in worlds:
+    for world in world_sizes(options.world_sizes):
         if s.experts % world or s.tokens % world or s.expert_hidden % world or s.dim % N_HEADS:
             parser.error(f"world size {world}: --experts ({s.experts}), --tokens ({s.tokens}) and "
                          f"--expert-hidden ({s.expert_hidden}) must be multiples of it, --dim of {N_HEADS}")
@@ -633,8 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
-    config = Config(options.sizes, options.sequence_parallel, options.iters, options.warmup, result_path="")
+    config = Config(options.sizes, options.sequence_parallel, iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes, "EP, expert-TP, replicated experts")
     if rows:
         print(format_report(rows, options, config))

@@ -86,7 +86,7 @@ from torch_tp.overlap import (
 
 # _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
 # on sys.path; spawned ranks inherit sys.path when they re-import it for ``__main__.rank_main``.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds
+from _driver import RunConfig, markdown_table, parse_arguments, report_header, run_worlds
 from _measure import time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -121,13 +121,8 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     shapes: tuple[Shape, ...]
-    iters: int
-    warmup: int
-    result_path: str
 
 
 # --------------------------------------------------------------------------- the steps
@@ -230,13 +225,10 @@ def table_cells(row: dict) -> tuple[str, ...]:
 
 
 def format_report(rows: list[dict], options: argparse.Namespace, config: Config) -> str:
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     cpus = os.cpu_count() or 1
     threads = ", ".join(f"{max(1, cpus // w)} at world {w}" for w in sorted({row["world"] for row in rows}))
     lines = [
-        (f"torch {torch.__version__}, {backend}, {cpus} CPUs, intra-op threads per rank: {threads}; "
-         f"{config.iters} timed rounds after {config.warmup} warm-up; "
-         f"1-min load average {options.load_before:.1f} before starting"),
+        report_header(options, ranks=f"intra-op threads per rank: {threads}"),
         ("fused ops called with check_shapes=False; shape B S K N: (B, S, K) @ (K, N), "
          "S the global sequence (dim 1, sharded), float32"),
     ]
@@ -249,19 +241,10 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
 # -------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/overlap.py", __doc__.splitlines()[0],
-        iters=(30, 6), warmup=(3, 1), what="shape", quick="2 shapes, few rounds",
-    )
-    return finish_arguments(parser, argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]
-    config = Config(QUICK_SHAPES if options.quick else SHAPES, options.iters, options.warmup,
-                    result_path="")
+    options = parse_arguments(argv, __file__, __doc__, iters=(30, 6), warmup=(3, 1), what="shape",
+                              quick="2 shapes, few rounds")
+    config = Config(QUICK_SHAPES if options.quick else SHAPES, iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes,
                       f"{len(OPS)} ops x {len(config.shapes)} shapes")
     if rows:

@@ -39,7 +39,7 @@ from torch_tp.launch import rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.testing import communication_of
 
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds
+from _driver import RunConfig, markdown_table, parse_arguments, report_header, run_worlds
 from _measure import time_interleaved
 
 FULL = dict(dim=512, n_layers=2, n_heads=8, vocab_size=1024, ffn_hidden=1536, seq=1024, batch=2)
@@ -47,11 +47,8 @@ QUICK = dict(dim=64, n_layers=1, n_heads=4, vocab_size=128, ffn_hidden=192, seq=
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(RunConfig):
     model: dict
-    iters: int
-    warmup: int
-    result_path: str
 
 
 def _models(config: Config, mesh) -> dict[str, torch.nn.Module]:
@@ -116,22 +113,14 @@ def format_report(rows: list[dict], options: argparse.Namespace, model: dict) ->
         (_, unfused_collectives), (sends, fused_collectives) = row["counts"]["unfused"], row["counts"]["overlap"]
         cells.append((str(row["world"]), row["model"], f"{unfused:.1f}", f"{fused:.1f}", f"{fused / unfused:.2f}",
                       str(sends), f"{unfused_collectives} -> {fused_collectives}"))
-    return (f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs; {options.iters} timed rounds after "
-            f"{options.warmup} warm-up; float32, batch {model['batch']}, one step = forward + "
+    return (f"{report_header(options, load=False)}; float32, batch {model['batch']}, one step = forward + "
             f"loss + backward\n\n" + markdown_table(header, cells))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/overlap_llama.py", __doc__.splitlines()[0],
-        iters=(10, 4), warmup=(2, 1), what="variant", quick="a tiny model, few rounds",
-    )
-    return finish_arguments(parser, argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    options = parse_args(argv)
-    config = Config(QUICK if options.quick else FULL, options.iters, options.warmup, result_path="")
+    options = parse_arguments(argv, __file__, __doc__, iters=(10, 4), warmup=(2, 1), what="variant",
+                              quick="a tiny model, few rounds")
+    config = Config(QUICK if options.quick else FULL, iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes, "unfused vs overlap training step")
     if rows:
         print(format_report(rows, options, config.model))

@@ -123,13 +123,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tp import SpatialParallel, parallelize_module
 from torch_tp.conv import conv_windows, halo_bytes
-from torch_tp.launch import launched_by_torchrun, rank_device
+from torch_tp.launch import rank_device
 from torch_tp.models.cnn import unet
 from torch_tp.testing import TOL, record_p2p
 
 # _driver.py and _measure.py are next to this script, whose directory running it (python3 or
 # torchrun) puts first on sys.path; spawned ranks inherit sys.path.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, progress, run_world  # noqa: E402
+from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, progress  # noqa: E402
+from _driver import report_header, run_world, world_sizes  # noqa: E402
 from _measure import tensor_bytes, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -155,14 +156,9 @@ QUICK = Sizes(image=(1, 3, 32, 128), features=4, depth=2)
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     sizes: Sizes
     worlds: tuple[int, ...]  # world sizes > 1; world 1 always runs (on rank 0)
-    iters: int
-    warmup: int
-    result_path: str
 
 
 def batch(sizes: Sizes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -764,12 +760,10 @@ def format_report(rows: list[dict], options: argparse.Namespace, config: Config)
     s = config.sizes
     n, c, h, w = s.image
     base = rows[0]
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     cpus = os.cpu_count() or 1
     spatial = [r for r in rows if r["world"] > 1]
     parts = [
-        f"torch {torch.__version__}, {backend}, {cpus} CPUs, 1 thread per rank; {config.iters} timed rounds "
-        f"after {config.warmup} warm-up; 1-min load average {options.load_before:.1f} before starting",
+        report_header(options, ranks="1 thread per rank"),
         f"U-Net: features {s.features}, depth {s.depth}, {CLASSES} classes, BatchNorm in training mode, "
         f"{'transposed convolutions' if s.transposed else 'bilinear upsampling'}; image N={n} C={c} H={h} W={w} "
         f"float32 ({n * c * h * w * 4 / MIB:g} MiB); "
@@ -811,11 +805,9 @@ def parse_image(text: str) -> tuple[int, int, int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/spatial_cnn.py", __doc__.splitlines()[0],
-        iters=(10, 3), warmup=(2, 1), what="world size", quick="a 1x3x32x128 image, small U-Net, few rounds",
-        min_iters=2,  # quartiles need two samples
-    )
+    parser = benchmark_arguments(__file__, __doc__, iters=(10, 3), warmup=(2, 1), what="world size",
+                                 quick="a 1x3x32x128 image, small U-Net, few rounds",
+                                 min_iters=2)  # quartiles need two samples
     parser.add_argument("--image", type=parse_image, default=None,
                         help=f"NxCxHxW (default {'x'.join(map(str, DEFAULT.image))}; "
                              f"{'x'.join(map(str, QUICK.image))} with --quick)")
@@ -834,11 +826,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         depth=options.depth if options.depth is not None else base.depth,
         transposed=options.transposed,
     )
-    if launched_by_torchrun():
-        worlds = [int(os.environ["WORLD_SIZE"])]
-    else:
-        worlds = [int(w) for w in options.world_sizes.split(",")]
-    options.worlds = tuple(sorted({w for w in worlds if w > 1}))
+    options.worlds = tuple(sorted({w for w in world_sizes(options.world_sizes) if w > 1}))
     _, _, h, w = options.sizes.image
     scale = 2 ** options.sizes.depth
     if h % scale or w % scale:
@@ -852,8 +840,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
-    config = Config(options.sizes, options.worlds, options.iters, options.warmup, result_path="")
+    config = Config(options.sizes, options.worlds, iters=options.iters, warmup=options.warmup)
     nproc = max((1, *config.worlds))
     progress(f"{nproc} ranks: world sizes {', '.join(map(str, (1, *config.worlds)))} in one launch ...")
     start = time.perf_counter()

@@ -90,7 +90,7 @@ from torch_tp.testing import comm_counts
 
 # _driver.py and _measure.py are next to this script, whose directory running it (python3 or
 # torchrun) puts first on sys.path; spawned ranks inherit sys.path.
-from _driver import benchmark_arguments, finish_arguments, markdown_table, run_worlds  # noqa: E402
+from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, report_header, run_worlds  # noqa: E402
 from _measure import CollectiveBytesMode, format_counts, local_parameter_bytes, median_ms, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -104,13 +104,8 @@ GRADS_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank needs to know (picklable: it travels to spawned ranks)."""
-
+class Config(RunConfig):
     models: tuple[str, ...]
-    iters: int
-    warmup: int
-    result_path: str
 
 
 def tiny_model(name: str) -> torch.nn.Module:
@@ -381,12 +376,9 @@ def ratio_cells(rows: list[dict]) -> list[tuple[str, ...]]:
 def format_report(rows: list[dict], options: argparse.Namespace) -> str:
     import transformers
 
-    backend = "nccl" if rank_device().type == "cuda" else "gloo"
     timed = [r for r in rows if "error" not in r]
     parts = [
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {backend}, {os.cpu_count()} CPUs; "
-        f"{options.iters} timed rounds after {options.warmup} warm-up; "
-        f"1-min load average {options.load_before:.1f} before starting",
+        report_header(options, software=f"transformers {transformers.__version__}"),
         f"models: vocab {VOCAB}, hidden {HIDDEN}, ffn {FFN}, {LAYERS} layers, {HEADS} heads, "
         f"{KV_HEADS} key/value heads, float32; batch {BATCH}, seq {SEQ}; "
         "step: model(input_ids, labels=input_ids).loss.backward()",
@@ -411,11 +403,8 @@ def format_report(rows: list[dict], options: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = benchmark_arguments(
-        "python3 benchmarks/transformers_tp.py", __doc__.splitlines()[0],
-        iters=(40, 4), warmup=(5, 1), what="model", quick="few rounds",
-        min_iters=2,  # quartiles need two samples
-    )
+    parser = benchmark_arguments(__file__, __doc__, iters=(40, 4), warmup=(5, 1), what="model",
+                                 quick="few rounds", min_iters=2)  # quartiles need two samples
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated model families (default {','.join(MODELS)})")
     options = finish_arguments(parser, argv)
@@ -428,8 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    options.load_before = os.getloadavg()[0]  # other jobs on the machine make times noisy
-    config = Config(options.models, options.iters, options.warmup, result_path="")
+    config = Config(options.models, iters=options.iters, warmup=options.warmup)
     rows = run_worlds(rank_main, config, options.world_sizes, ", ".join(options.models))
     if rows:
         print(format_report(rows, options))

@@ -3,14 +3,9 @@
 Times are machine noise here and are not asserted; collective counts and bytes are exact.
 """
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -25,17 +20,8 @@ VARIANTS = {
 }
 
 
-def _run_quick() -> str:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/compare_upstream.py", "--quick"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )
-    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def test_quick_benchmark_prints_the_table_and_same_plans_issue_the_same_collectives():
-    out = _run_quick()
+    out = run_script("benchmarks/compare_upstream.py", "--quick", timeout=120).stdout
     main, ratios = markdown_tables(out)[:2]
 
     assert main[0]["__header__"] == COLUMNS, out

@@ -12,7 +12,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torch_tp.launch import LaunchFailure, launch
-from torch_tp.testing import RankFailure, run_on_ranks
+from torch_tp.testing import RankFailure, run_on_ranks, run_script
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
 TIMEOUT_S = 2  # the collective timeout of a launch, and the task timeout of a pool call
@@ -40,22 +39,23 @@ def _raises_mid_collective():
     dist.all_reduce(torch.ones(4))
 
 
-def _exits_3():
+def _culprit_calls(misbehave, *args):
+    """The culprit calls ``misbehave(*args)``, which never returns; the others wait in an all_reduce."""
     if dist.get_rank() == _culprit():
-        sys.exit(3)
+        misbehave(*args)
     dist.all_reduce(torch.ones(4))
+
+
+def _exits_3():
+    _culprit_calls(sys.exit, 3)
 
 
 def _exits_0_at_once():
-    if dist.get_rank() == _culprit():
-        os._exit(0)
-    dist.all_reduce(torch.ones(4))
+    _culprit_calls(os._exit, 0)
 
 
 def _sleeps_forever():
-    if dist.get_rank() == _culprit():
-        time.sleep(3600)
-    dist.all_reduce(torch.ones(4))
+    _culprit_calls(time.sleep, 3600)  # its stack shows this function
 
 
 def _calls_another_collective():
@@ -127,13 +127,23 @@ def _exit_code(error, rank):
     return error.exit_codes[rank] if isinstance(error, LaunchFailure) else None
 
 
+def _culprit_named(fail, fn, world_size, cause):
+    """``fail(fn, world_size)``: the culprit (the last rank) must be the root cause, and the
+    summary must start with ``cause`` (``{culprit}`` is its rank). Returns the error, its
+    message and the culprit."""
+    error, message = fail(fn, world_size)
+    culprit = world_size - 1
+    assert error.root_cause_rank == culprit, message
+    assert _cause(message).startswith(cause.format(culprit=culprit)), message
+    return error, message, culprit
+
+
 @HARNESSES
 @WORLD_SIZES
 def test_the_rank_that_raised_comes_first_with_its_traceback_then_the_others(fail, world_size):
-    error, message = fail(_raises_mid_collective, world_size)
-    culprit = world_size - 1
-    assert error.root_cause_rank == culprit and error.failed_ranks == list(range(world_size)), message
-    assert _cause(message).startswith(f"rank {culprit} raised ValueError: boom on rank {culprit}; then "), message
+    cause = "rank {culprit} raised ValueError: boom on rank {culprit}; then "
+    error, message, culprit = _culprit_named(fail, _raises_mid_collective, world_size, cause)
+    assert error.failed_ranks == list(range(world_size)), message
     assert f"rank {culprit}: raised [root cause]" in _first_section(message), message
     assert 'raise ValueError(f"boom on rank' in message.split("[then]")[0]  # its traceback, first
     assert f"rank {culprit} about to fail" in message  # its output
@@ -145,20 +155,15 @@ def test_the_rank_that_raised_comes_first_with_its_traceback_then_the_others(fai
 @HARNESSES
 @WORLD_SIZES
 def test_sys_exit_3_is_reported_with_its_code(fail, world_size):
-    error, message = fail(_exits_3, world_size)
-    culprit = world_size - 1
-    assert error.root_cause_rank == culprit, message
-    assert _cause(message).startswith(f"rank {culprit} called sys.exit(3)"), message
+    error, message, culprit = _culprit_named(fail, _exits_3, world_size, "rank {culprit} called sys.exit(3)")
     assert _exit_code(error, culprit) in (3, None)
 
 
 @HARNESSES
 @WORLD_SIZES
 def test_os_exit_0_is_reported_as_a_rank_that_left_early(fail, world_size):
-    error, message = fail(_exits_0_at_once, world_size)
-    culprit = world_size - 1
-    assert error.root_cause_rank == culprit, message
-    assert _cause(message).startswith(f"rank {culprit} exited with code 0 before its function returned"), message
+    cause = "rank {culprit} exited with code 0 before its function returned"
+    error, message, culprit = _culprit_named(fail, _exits_0_at_once, world_size, cause)
     assert f"rank {culprit}: worker process died (exit code 0) [root cause]" in message, message
     assert _exit_code(error, culprit) in (0, None)
 
@@ -201,9 +206,7 @@ def test_a_size_mismatch_names_the_rank_gloo_aborts_and_why(fail, world_size):
 def test_a_shape_error_under_rowwise_parallel_on_one_rank_names_that_rank_within_seconds(fail):
     # the failing rank raises before the reduction; its peers, blocked in it, are stopped (launch)
     # or reported after it (run_on_ranks) long before the collective timeout
-    error, message = fail(_rowwise_gets_the_wrong_width, 4)
-    assert error.root_cause_rank == 3, message
-    assert _cause(message).startswith("rank 3 raised RuntimeError: "), message
+    error, message, _ = _culprit_named(fail, _rowwise_gets_the_wrong_width, 4, "rank 3 raised RuntimeError: ")
     assert "in _rowwise_gets_the_wrong_width" in message.split("[then]")[0], message
 
 
@@ -243,10 +246,8 @@ def test_launch_returns_quietly_and_gives_back_the_signal_handlers_the_agent_rep
 def test_under_torchrun_the_agent_names_the_rank_that_raised_not_its_peer():
     # launch records the rank's exception in the agent's error file: torchrun prints its traceback
     job = pathlib.Path(__file__).with_name("fault_job.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(job), "torchrun", "-"],
-        capture_output=True, text=True, timeout=120, cwd=job.parents[1],
-    )
+    done = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", str(job), "torchrun", "-",
+                      timeout=120, check=False)
     assert done.returncode != 0
     root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root_cause, done.stderr

@@ -9,15 +9,10 @@ the optimizer's all-reduces of the norms' gradients; full recompute saves fewer 
 re-runs collectives, the selective policy re-runs none.
 """
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -26,10 +21,7 @@ AC_COLUMNS = ["checkpointing", "peak MiB", "peak activations MiB", "activations 
 
 
 def test_quick_benchmark_predicts_the_bytes_it_measures_and_checkpointing_saves_activations():
-    done = subprocess.run([sys.executable, "benchmarks/fsdp_tp.py", "--quick"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    out = done.stdout
-    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    out = run_script("benchmarks/fsdp_tp.py", "--quick", timeout=300).stdout
     variants, checkpointing = markdown_tables(out)
     assert variants[0]["__header__"] == COLUMNS and checkpointing[0]["__header__"] == AC_COLUMNS, out
     rows = {r["variant"]: r for r in variants}

@@ -5,15 +5,10 @@ at ``batch_isend_irecv`` equal ``halo_bytes`` per rank, and every rank's halo by
 below the bytes an all-gather (plus its reduce-scatter) of the input moves.
 """
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -34,12 +29,7 @@ def _per_rank(cell: str) -> list[float]:
 
 
 def test_quick_halo_benchmark_prints_the_table_with_exact_halo_bytes():
-    done = subprocess.run(
-        [sys.executable, "benchmarks/halo_conv.py", "--quick"],
-        capture_output=True, text=True, cwd=ROOT, timeout=180,
-    )
-    out = done.stdout
-    assert done.returncode == 0, f"exited {done.returncode}\n{out}\n{done.stderr}"
+    out = run_script("benchmarks/halo_conv.py", "--quick", timeout=180).stdout
     rows = _table(out)
     assert rows and rows[0]["__header__"] == COLUMNS, out
     assert {(int(r["world"]), r["conv"]) for r in rows} == {(w, c) for w in (2, 4) for c in QUICK_CONVS}, out

@@ -9,16 +9,11 @@ replicated's bytes equal the script's model, EP's routing is dropless, and the s
 verdicts name the winners its own table shows.
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -41,17 +36,6 @@ MOE_COMMS = {
     False: {"EP": "6AG+10A2A", "expert-TP": "6AR", "replicated": "0"},
     True: {"EP": "10AG+10A2A", "expert-TP": "4AG+4AR+2RS", "replicated": "4AG"},
 }
-
-
-def _run(*argv: str) -> str:
-    # the spawned ranks import torch_tp from this checkout whether or not it is installed
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "benchmarks/moe.py", "--quick", *argv], capture_output=True, text=True, cwd=ROOT,
-        timeout=240, env={**os.environ, "PYTHONPATH": pythonpath},
-    )
-    assert done.returncode == 0, f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 def _counts(cell: str) -> dict[str, int]:
@@ -126,11 +110,11 @@ def _check(out: str, worlds: tuple[int, ...], sequence_parallel: bool) -> dict:
 
 
 def test_quick_benchmark_compares_the_three_expert_layouts_at_world_sizes_2_and_4():
-    out = _run()
+    out = run_script("benchmarks/moe.py", "--quick").stdout
     _check(out, (2, 4), sequence_parallel=False)
     assert "EP vs expert-TP." in out and "Replicated experts send nothing for the experts." in out, out
 
 
 def test_quick_benchmark_under_sequence_parallelism_replicated_experts_still_gather_the_sequence():
-    out = _run("--sequence-parallel", "--world-sizes", "2", "--iters", "2")
+    out = run_script("benchmarks/moe.py", "--quick", "--sequence-parallel", "--world-sizes", "2", "--iters", "2").stdout
     _check(out, (2,), sequence_parallel=True)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from torch_tp.testing import ROOT
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("fault_job.py")
 GRACE_S = 5.0
 

@@ -11,15 +11,11 @@ exits non-zero if they differ.)
 """
 
 import itertools
-import os
-import pathlib
-import subprocess
-import sys
 from functools import partial
 
 import pytest
+from torch_tp.testing import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -78,18 +74,8 @@ def _agrees(printed: str, f, *cells: str) -> bool:
     return low - 0.005 <= float(printed) <= high + 0.005
 
 
-def _run_quick(script: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, script, "--quick"],
-        capture_output=True, text=True, cwd=ROOT, timeout=150, env=env, check=False,
-    )
-    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
-    out = _run_quick("benchmarks/overlap.py")
+    out = run_script("benchmarks/overlap.py", "--quick", timeout=150).stdout
     assert "check_shapes=False" in out, out
     tables = _tables(out)
     assert set(tables) == set(OPS), out
@@ -109,7 +95,7 @@ def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio(
 
 
 def test_quick_llama_overlap_benchmark_times_both_variants_and_counts_their_communication():
-    out = _run_quick("benchmarks/overlap_llama.py")
+    out = run_script("benchmarks/overlap_llama.py", "--quick", timeout=150).stdout
     rows = _tables(out)[None]
     assert [int(r["world"]) for r in rows] == [2, 4], out
     for row in rows:

@@ -5,12 +5,12 @@ import importlib
 import inspect
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from torch_tp.testing import ROOT, run_script
+
 # The modules users import; everything else is reached through them (torch_tp.parallel
 # re-exports its submodules' names, torch_tp.functional is the one spelling of the functions).
 PUBLIC_MODULES = [
@@ -114,7 +114,7 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_importing_torch_tp_is_quiet_and_does_not_import_torchao():
     code = "import sys, torch_tp; print('torchao' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    done = run_script("-c", code, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
     assert done.stderr == ""

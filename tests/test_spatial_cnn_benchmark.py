@@ -9,15 +9,9 @@ convolution on a ``Shard(3)`` strip sends exactly the bytes of ``halo_bytes`` (m
 and the totals are the sums of their parts.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -36,17 +30,6 @@ GOALS = {2: 0.6, 4: 0.35}
 KIB = 0.0501  # cells in KiB are printed to 0.1 (half a step, and float slack)
 
 
-def _run(*argv: str) -> str:
-    # the spawned ranks import torch_tp from this checkout whether or not it is installed
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "benchmarks/spatial_cnn.py", "--quick", *argv], capture_output=True, text=True, cwd=ROOT,
-        timeout=240, env={**os.environ, "PYTHONPATH": pythonpath},
-    )
-    assert done.returncode == 0, f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def _per_rank(cell: str) -> list[float]:
     return [float(v) for v in cell.split("/")]
 
@@ -56,7 +39,7 @@ def _by_header(out: str) -> dict[tuple[str, ...], list[dict[str, str]]]:
 
 
 def test_quick_benchmark_matches_one_process_shards_the_activations_and_sends_the_formulas_halos():
-    out = _run("--iters", "2")
+    out = run_script("benchmarks/spatial_cnn.py", "--quick", "--iters", "2").stdout
     tables = _by_header(out)
     for columns in (STEP_COLUMNS, MEMORY_COLUMNS, COMM_COLUMNS, CONV_COLUMNS):
         assert tuple(columns) in tables, (columns, out)

@@ -6,14 +6,10 @@ not; transformers' differences are printed and checked here).
 """
 
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-from torch_tp.testing import markdown_tables
+from torch_tp.testing import markdown_tables, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
@@ -41,15 +37,6 @@ EXPECTED = {
 COUNT_COLUMNS = ("fwd comms", "fwd KiB", "f+b comms", "f+b KiB", "opt comms")
 
 
-def _run(*argv: str, env: dict | None = None) -> str:
-    done = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=240,
-        env={**os.environ, **(env or {})},
-    )
-    assert done.returncode == 0, f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def _check_rows(out: str, models: tuple[str, ...]) -> list[dict[str, str]]:
     """The main table holds every (model, variant) at 2 ranks with the exact counts; returns it."""
     main = markdown_tables(out)[0]
@@ -69,7 +56,7 @@ def _check_rows(out: str, models: tuple[str, ...]) -> list[dict[str, str]]:
 
 
 def test_quick_benchmark_both_libraries_match_one_process_and_torch_tp_issues_fewer_collectives():
-    out = _run("benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2")
+    out = run_script("benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2").stdout
     _check_rows(out, ("llama", "qwen3"))
     ratios = markdown_tables(out)[1]
     assert ratios[0]["__header__"] == RATIO_COLUMNS, out
@@ -84,8 +71,8 @@ def test_quick_benchmark_both_libraries_match_one_process_and_torch_tp_issues_fe
 def test_quick_benchmark_under_torchrun_uses_the_launchers_ranks():
     # `torchrun` is `python -m torch.distributed.run`: transformers' TP takes the process group
     # the benchmark initialized (gloo on CPU) there as in spawned ranks
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/transformers_tp.py",
-               "--quick", "--models", "llama")
+    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/transformers_tp.py",
+                     "--quick", "--models", "llama").stdout
     _check_rows(out, ("llama",))
 
 
@@ -99,8 +86,8 @@ def test_quick_benchmark_says_why_when_transformers_tp_cannot_run(tmp_path):
         "utils._ensure_torch_distributed = _refuse\n"
     )
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    out = _run("benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2", "--models", "llama",
-               env={"PYTHONPATH": pythonpath})
+    out = run_script("benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2", "--models", "llama",
+                     env={"PYTHONPATH": pythonpath}).stdout
     tables = markdown_tables(out)
     assert len(tables) == 1, out  # no ratio table without transformers' numbers
     assert [(r["model"], r["variant"]) for r in tables[0]] == [("llama", "torch_tp")], out

@@ -1,14 +1,11 @@
 """The transformers tutorial runs as users run it: explains, trains like one process, verifies, generates."""
 
 import importlib.util
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from torch_tp.testing import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # a subprocess run of seconds: `pytest -m "not slow"` leaves it out
 pytestmark = [
     pytest.mark.slow,
@@ -16,17 +13,8 @@ pytestmark = [
 ]
 
 
-def _tutorial_output():
-    done = subprocess.run(
-        [sys.executable, "tutorials/transformers_tensor_parallel.py"],
-        capture_output=True, text=True, cwd=ROOT, timeout=240,
-    )
-    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def test_transformers_tutorial_trains_like_one_process_passes_verify_plan_and_generates_its_tokens():
-    out = _tutorial_output()
+    out = run_script("tutorials/transformers_tensor_parallel.py").stdout
     # explain_plan of the translated Qwen3 plan, per-head norms included
     assert re.search(r"^model\.layers\.0\.self_attn\.q_norm\.weight +ReplicateParallel", out, flags=re.M), out
     assert re.search(r"^lm_head\.weight +ColwiseParallel +\(128, 64\) +Shard\(0\) +\(64, 64\) x2", out, flags=re.M), out

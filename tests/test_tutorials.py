@@ -1,27 +1,16 @@
 """The tutorials and the main job run as users run them, and print what they promise."""
 
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from torch_tp.testing import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
 
-def _run(*argv, timeout=240):
-    done = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=timeout
-    )
-    assert done.returncode == 0, f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error():
-    out = _run("tutorials/pattern_plans.py")
+    out = run_script("tutorials/pattern_plans.py").stdout
     assert "typo in a plan key -> ValueError" in out and "layer.0.self.query" in out
     assert "layer.0.self.out.weight      (Shard(dim=1),)" in out
     diff = float(re.search(r"max \|parallel - single process\| = (\S+)", out).group(1))
@@ -29,7 +18,7 @@ def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error(
 
 
 def test_main_job_explains_trains_with_progress_and_matches_single_process():
-    out = _run("-m", "torch_tp.demo")  # exactly the README's main job
+    out = run_script("-m", "torch_tp.demo").stdout  # exactly the README's main job
     assert "2 ranks (gloo), tensor + sequence parallel, 30 steps" in out
     assert re.search(r"^parameter +style +global +placement", out, flags=re.M)
     assert "layers.1.feed_forward.w2.weight  RowwiseParallel" in out
@@ -44,7 +33,7 @@ def test_main_job_explains_trains_with_progress_and_matches_single_process():
 
 
 def test_main_job_with_overlap_trains_like_one_process_with_fused_collectives():
-    out = _run("-m", "torch_tp.demo", "--overlap", "--steps", "5")
+    out = run_script("-m", "torch_tp.demo", "--overlap", "--steps", "5").stdout
     assert "tensor + sequence parallel, overlapped (fused all-gather+matmul, matmul+reduce-scatter)" in out
     assert "loss curve matches the single-process run" in out, out
     # 9 fused ops forward (per layer: one gather shared by wq/wk/wv, one by w1/w3, and the wo
@@ -58,7 +47,7 @@ def test_main_job_with_overlap_trains_like_one_process_with_fused_collectives():
 
 
 def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_like_one_process():
-    out = _run("-m", "torch_tp.demo", "--nproc", "4", "--dp", "2", "--steps", "12")
+    out = run_script("-m", "torch_tp.demo", "--nproc", "4", "--dp", "2", "--steps", "12").stdout
     assert "4 ranks (gloo), 2-D: FSDP2 over dp 2 x tensor + sequence parallel over tp 2, 12 steps" in out, out
     assert "fsdp units: layers.0, layers.1, <root>" in out and "too small: 64 < min_weight_size 1024" in out, out
     worst = float(re.search(r"max relative difference (\S+) over 12 steps", out).group(1))
@@ -72,7 +61,7 @@ def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_
 
 
 def test_llama_tutorial_runs_from_meta_device_to_training():
-    out = _run("tutorials/llama_tensor_parallel.py")
+    out = run_script("tutorials/llama_tensor_parallel.py").stdout
     assert "output.weight" in out and "step 9: loss" in out
     losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out)]
     assert len(losses) == 10 and losses[-1] < losses[0]
@@ -81,7 +70,7 @@ def test_llama_tutorial_runs_from_meta_device_to_training():
 
 
 def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
-    out = _run("tutorials/int8_tensor_parallel.py")
+    out = run_script("tutorials/int8_tensor_parallel.py").stdout
     errors = re.findall(
         r"rank \d: vs float model (\S+), vs unsharded int8 model (\S+), compiled vs eager (\S+)$", out, flags=re.M
     )
@@ -97,13 +86,13 @@ def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
 
 def test_main_job_under_torchrun_uses_the_launchers_ranks():
     # `torchrun` is `python -m torch.distributed.run`; gloo on CPU, NCCL where CUDA is.
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torch_tp.demo", "--steps", "3")
+    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torch_tp.demo", "--steps", "3").stdout
     assert "2 ranks (gloo), tensor + sequence parallel, 3 steps" in out
     assert "loss curve matches the single-process run" in out
 
 
 def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
-    out = _run("tutorials/spatial_conv_parallel.py")
+    out = run_script("tutorials/spatial_conv_parallel.py").stdout
     pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
     assert len(pairs) == 3
     for sharded, single in pairs:
@@ -115,7 +104,7 @@ def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
 
 
 def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
-    out = _run("tutorials/spatial_unet.py")
+    out = run_script("tutorials/spatial_unet.py").stdout
     pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
     assert len(pairs) == 4
     for sharded, single in pairs:  # float32: summation order (and pooling ties) only
@@ -124,7 +113,7 @@ def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
 
 
 def test_fsdp_tp_2d_tutorial_predicts_the_bytes_it_holds_and_trains_like_one_process():
-    out = _run("tutorials/fsdp_tp_2d.py")
+    out = run_script("tutorials/fsdp_tp_2d.py").stdout
     assert "fsdp units: layers.0, layers.1, <root>" in out, out
     held = re.search(r"rank 0 holds (\d+) parameter bytes \(predicted (\d+)\) of the model's (\d+)", out)
     assert held and held.group(1) == held.group(2) and int(held.group(1)) < int(held.group(3)) / 3, out

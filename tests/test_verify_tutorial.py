@@ -1,27 +1,16 @@
 """The verify_plan tutorial runs as users run it: a correct plan passes, two wrong ones are named."""
 
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from torch_tp.testing import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # a subprocess run of seconds: `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
 
 
-def _tutorial_output():
-    done = subprocess.run(
-        [sys.executable, "tutorials/verify_plan.py"], capture_output=True, text=True, cwd=ROOT, timeout=240
-    )
-    assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 def test_verify_plan_tutorial_passes_the_right_plan_and_names_what_the_wrong_ones_break():
-    out = _tutorial_output()
+    out = run_script("tutorials/verify_plan.py").stdout
     right, no_norms, untied = re.split(r"^== .*$", out, flags=re.M)[1:]
     assert right.strip().startswith("verify_plan: OK, the parallel model trains like the single-process one (3 steps on 2 ranks")
     assert no_norms.strip().startswith("verify_plan: 12 findings")

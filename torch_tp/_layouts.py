@@ -127,8 +127,8 @@ def finish_output(value: DTensor, use_local_output: bool) -> torch.Tensor:
 def replace_forward(module: torch.nn.Module, forward, **bound) -> None:
     """Run ``forward(module, *args, **bound)`` in place of ``module``'s own ``forward``.
 
-    The one way torch_tp swaps a forward (fused overlap layers, eval-mode BatchNorm on a
-    spatial shard): a module-level function bound by keyword, set on the instance, which
+    The one way torch_tp swaps a forward (fused overlap layers, vocab-parallel embeddings,
+    expert styles, checkpointed blocks): a module-level function bound by keyword, set on the instance, which
     ``nn.Module.__call__`` prefers to the class's method (hooks still run around it).
 
     Example::

@@ -155,7 +155,8 @@ expert_tensor_parallel = _function_form("expert_tensor_parallel", ExpertTensorPa
     """)
 
 spatial = _function_form("spatial", SpatialParallel, """Run a convolution (or a position-wise module
-    between convolutions) on a spatial shard: :class:`~torch_tp.SpatialParallel` as a function.
+    between convolutions) on a spatial shard, or a whole CNN (any module with submodules) as a
+    spatial region: :class:`~torch_tp.SpatialParallel` as a function.
 
     Example::
 

@@ -41,7 +41,7 @@ def main(steps=3):
     reference = small_cnn().to(device)
 
     # 1. Every module runs on a width strip (tensor dim 3 of NCHW); weights are replicated.
-    #    Applying the style installs torch_tp's halo-exchange convolution for DTensor.
+    #    The model holds torch_tp's halo-exchange convolution for DTensor while it lives.
     model = parallelize_module(copy.deepcopy(reference), mesh, {"*": SpatialParallel(dim=3)})
 
     # 2. Train both on the same batches. The model takes this rank's strip of the image;

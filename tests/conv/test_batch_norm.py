@@ -8,36 +8,21 @@ Outputs and input gradients are compared strip by strip with the reference's
 tensors; the running statistics must also be the same bits on every rank.
 """
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp.conv import sharded_convolution
 from torch_tp.conv.batch_norm import (
-    batch_norm_backward_handler,
-    batch_norm_handler,
-    install,
-    is_installed,
     sharded_batch_norm,
-    uninstall,
 )
-from torch_tp.testing import (
-    TOL,
-    assert_comm_counts,
-    assert_params_and_grads_match,
-    comm_counts,
-    full_tensor,
-    local_chunk,
-    mesh_2x2,
-    on_ranks,
-    tp_mesh,
-)
+from torch_tp.testing import TOL, assert_comm_counts, assert_params_and_grads_match, assert_sharded_step_matches
+from torch_tp.testing import comm_counts, full_tensor, mesh_2x2, on_ranks, replicated_copy, shard_locally, tp_mesh
 
 aten = torch.ops.aten
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
@@ -59,25 +44,6 @@ def _randomized(module, gen):
     return module
 
 
-def _sharded_copy(reference, mesh, dtensor_buffers=False):
-    """A copy with every parameter a replicated DTensor; buffers plain (as ``SpatialParallel``
-    keeps them) or replicated DTensors."""
-    model = copy.deepcopy(reference)
-    replicated = [Replicate()] * mesh.ndim
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, replicated)))
-        if dtensor_buffers:
-            for name, b in list(module.named_buffers(recurse=False)):
-                setattr(module, name, distribute_tensor(b, mesh, replicated))
-    return model
-
-
-def _shard(t, mesh, placements):
-    """``t`` as a DTensor, chunked locally (every rank holds all of ``t``: no communication)."""
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-
 def _assert_same_on_every_rank(t, what):
     t = t.to_local() if isinstance(t, DTensor) else t
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -94,21 +60,9 @@ def _assert_buffers_match(model, reference, what):
 
 def _step(model, reference, x, dy, mesh, placements, dim, what):
     """One forward + backward of both; compares output, input gradient, parameter gradients."""
-    rx = x.clone().requires_grad_()
-    ref_y = reference(rx)
-    ref_y.backward(dy)
-    dx = _shard(x, mesh, placements).requires_grad_()
     with sharded_batch_norm():
-        y = model(dx)
-        y.backward(_shard(dy, mesh, y.placements))
-    assert tuple(y.placements) == tuple(placements) and y.shape == ref_y.shape, (what, y.placements)
-    assert tuple(dx.grad.placements) == tuple(placements), (what, dx.grad.placements)
-    expected = _shard(ref_y.detach(), mesh, placements).to_local()
-    torch.testing.assert_close(y.to_local(), expected, **TOL, msg=lambda m: f"{what} output: {m}")
-    expected = _shard(rx.grad, mesh, placements).to_local()
-    torch.testing.assert_close(dx.grad.to_local(), expected, **TOL, msg=lambda m: f"{what} grad_input: {m}")
-    assert_params_and_grads_match(model, reference, **TOL, what=what)
-    return y, dx
+        step = assert_sharded_step_matches(model, reference, x, dy, mesh, placements, **TOL, what=what)
+    return step.output, step.input
 
 
 def _train_and_compare(ndim, shape, dim, *, steps=3, dtensor_buffers=False, mesh=None, placements=None,
@@ -117,7 +71,7 @@ def _train_and_compare(ndim, shape, dim, *, steps=3, dtensor_buffers=False, mesh
     placements = placements or [Shard(dim)]
     gen = torch.Generator().manual_seed(0)
     reference = _randomized(_BN[ndim](shape[1], **bn_kwargs), gen)
-    model = _sharded_copy(reference, mesh, dtensor_buffers)
+    model = replicated_copy(reference, mesh, buffers=dtensor_buffers)
     params = list(reference.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if params else None
     ref_opt = torch.optim.SGD(params, lr=0.1) if params else None
@@ -182,9 +136,9 @@ def test_variance_of_an_offset_input_is_exact():
     x = torch.randn(4, 3, 6, 22, generator=gen) + 1000
     reference = nn.BatchNorm2d(3, momentum=1.0).double()
     reference(x.double())
-    model = _sharded_copy(nn.BatchNorm2d(3, momentum=1.0), mesh)
+    model = replicated_copy(nn.BatchNorm2d(3, momentum=1.0), mesh)
     with sharded_batch_norm():
-        model(_shard(x, mesh, [Shard(3)]))
+        model(shard_locally(x, mesh, [Shard(3)]))
     torch.testing.assert_close(model.running_var.double(), reference.running_var, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.running_mean.double(), reference.running_mean, rtol=1e-6, atol=0)
 
@@ -199,14 +153,14 @@ def test_train_mode_communicates_once_each_way_and_eval_mode_not_at_all():
     mesh = tp_mesh()
     gen = torch.Generator().manual_seed(2)
     reference = _randomized(nn.BatchNorm2d(3), gen)
-    model = _sharded_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     x, dy = torch.randn(2, 3, 5, 10, generator=gen), torch.randn(2, 3, 5, 10, generator=gen)
-    dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
     with sharded_batch_norm():
         with CommDebugMode() as forward:
             y = model(dx)
         with CommDebugMode() as backward:
-            y.backward(_shard(dy, mesh, y.placements))
+            y.backward(shard_locally(dy, mesh, y.placements))
     assert_comm_counts(comm_counts(forward), {"all_gather": 1}, "train forward")
     assert_comm_counts(comm_counts(backward), {"all_reduce": 1}, "train backward")
     assert model.weight.grad.placements == (Partial(),) and model.bias.grad.placements == (Partial(),)
@@ -218,9 +172,9 @@ def test_train_mode_communicates_once_each_way_and_eval_mode_not_at_all():
     reference.eval()
     model.zero_grad()
     reference.zero_grad()
-    dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
     with sharded_batch_norm(), CommDebugMode() as mode:
-        model(dx).backward(_shard(dy, mesh, [Shard(3)]))
+        model(dx).backward(shard_locally(dy, mesh, [Shard(3)]))
     assert_comm_counts(comm_counts(mode), {}, "eval forward + backward")
     model.zero_grad()
     _step(model, reference, x, dy, mesh, [Shard(3)], 3, "eval")
@@ -248,25 +202,16 @@ def test_conv_bn_relu_conv_trains_like_single_process():
     mesh = tp_mesh()
     torch.manual_seed(0)
     reference = _chain().double()
-    model = _sharded_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
         x = torch.randn(2, 3, 6, 10, generator=gen, dtype=torch.float64)  # width 10: 3, 3, 3, 1 on 4 ranks
         dy = torch.randn(2, 2, 6, 10, generator=gen, dtype=torch.float64)
-        rx = x.clone().requires_grad_()
-        ref_y = reference(rx)
-        ref_y.backward(dy)
-        dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
-        with sharded_convolution(), sharded_batch_norm():
-            y = model(dx)
-            y.backward(_shard(dy, mesh, y.placements))
         what = f"step {step}"
-        assert y.placements == (Shard(3),) and dx.grad.placements == (Shard(3),)
-        torch.testing.assert_close(y.to_local(), local_chunk(ref_y.detach(), 3), **TOL)
-        torch.testing.assert_close(dx.grad.to_local(), local_chunk(rx.grad, 3), **TOL)
-        assert_params_and_grads_match(model, reference, **TOL, what=what)
+        with sharded_convolution(), sharded_batch_norm():
+            assert_sharded_step_matches(model, reference, x, dy, mesh, [Shard(3)], **TOL, what=what)
         _assert_buffers_match(model, reference, what)
         opt.step()
         ref_opt.step()
@@ -285,14 +230,14 @@ def test_conv_bn_relu_conv_trains_like_single_process():
 def test_channel_sharding_and_plain_weights_raise():
     mesh = tp_mesh()
     x = torch.randn(2, 4, 5, 6)
-    bn = _sharded_copy(nn.BatchNorm2d(4), mesh)
+    bn = replicated_copy(nn.BatchNorm2d(4), mesh)
     with sharded_batch_norm():
         with pytest.raises(NotImplementedError, match="channel dim"):
-            bn(_shard(x, mesh, [Shard(1)]))
+            bn(shard_locally(x, mesh, [Shard(1)]))
         with pytest.raises(NotImplementedError, match="weight as a replicated DTensor"):
-            nn.BatchNorm2d(4)(_shard(x, mesh, [Shard(3)]))
+            nn.BatchNorm2d(4)(shard_locally(x, mesh, [Shard(3)]))
         with pytest.raises(NotImplementedError, match="replicated weight"):
-            F.batch_norm(_shard(x, mesh, [Shard(3)]), None, None, _shard(torch.ones(4), mesh, [Shard(0)]),
+            F.batch_norm(shard_locally(x, mesh, [Shard(3)]), None, None, shard_locally(torch.ones(4), mesh, [Shard(0)]),
                          None, training=True)
 
 
@@ -301,32 +246,3 @@ def test_channel_sharding_and_plain_weights_raise():
 # ---------------------------------------------------------------------------------------------
 
 _OPS = (aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
-
-
-def _entries():
-    table = DTensor._op_dispatcher._custom_op_handlers
-    return [table.get(op, "missing") for op in _OPS]
-
-
-def test_install_nests_and_uninstall_restores_the_exact_entries():
-    before = _entries()
-    assert not is_installed()
-    with sharded_convolution():  # the convolution handlers stay independent
-        install()
-        assert _entries() == [batch_norm_handler, batch_norm_backward_handler]
-        install()
-        uninstall()
-        assert is_installed()
-        uninstall()
-        assert _entries() == before and not is_installed()
-    with pytest.raises(RuntimeError, match="without a matching install"):
-        uninstall()
-
-
-def test_context_manager_restores_on_exceptions():
-    before = _entries()
-    with pytest.raises(KeyError):
-        with sharded_batch_norm():
-            with sharded_batch_norm():
-                raise KeyError("boom")
-    assert _entries() == before

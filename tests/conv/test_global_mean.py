@@ -12,8 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp import SpatialParallel, parallelize_module
-from torch_tp.conv import global_mean, sharded_mean
-from torch_tp.conv.spatial import _handlers_left_as_found
+from torch_tp.conv import sharded_mean
 from torch_tp.models.cnn import SqueezeExcite
 from torch_tp.testing import (
     TOL,
@@ -93,11 +92,10 @@ def test_squeeze_excite_on_uneven_strips_gathers_nothing_and_matches_one_process
     block.load_state_dict(ref.state_dict())
     x = torch.randn(2, 8, 6, 14, dtype=torch.float64)  # width 14 on 4 ranks: strips 4, 4, 4, 2
     ref(x).square().sum().backward()
-    with _handlers_left_as_found():
-        parallelize_module(block, tp_mesh(), SpatialParallel(dim=3))
-        with CommDebugMode() as comm:
-            out = block(local_chunk(x, 3))
-            out.square().sum().backward()
+    parallelize_module(block, tp_mesh(), SpatialParallel(dim=3))
+    with CommDebugMode() as comm:
+        out = block(local_chunk(x, 3))
+        out.square().sum().backward()
     torch.testing.assert_close(out, local_chunk(ref(x).detach(), 3), **TOL)
     assert "all_gather_into_tensor" not in comm_counts(comm), comm_counts(comm)
     assert_params_and_grads_match(block, ref)
@@ -111,12 +109,3 @@ def test_integer_input_is_refused_as_aten_refuses_it():
     with sharded_mean(), pytest.raises(RuntimeError) as sharded:
         ids.mean(1)
     assert str(sharded.value) == str(plain.value)
-
-
-def test_install_nests_and_restores():
-    assert not global_mean.is_installed()
-    with sharded_mean():
-        with sharded_mean():
-            assert global_mean.is_installed()
-        assert global_mean.is_installed()
-    assert not global_mean.is_installed()

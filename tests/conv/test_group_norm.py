@@ -9,34 +9,21 @@ forms CNNs write it (timm's ``LayerNorm2d``, ``F.layer_norm`` on channels-last, 
 channels-first mean/var), mirrored here since the project does not depend on timm.
 """
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp.conv import sharded_convolution
 from torch_tp.conv.group_norm import (
-    group_norm_backward_handler,
     group_norm_handler,
-    install,
-    is_installed,
     sharded_group_norm,
-    uninstall,
 )
 from torch_tp.conv.pointwise import sharded_pointwise
-from torch_tp.testing import (
-    TOL,
-    assert_comm_counts,
-    assert_params_and_grads_match,
-    comm_counts,
-    mesh_2x2,
-    on_ranks,
-    tp_mesh,
-)
+from torch_tp.testing import TOL, assert_comm_counts, assert_sharded_step_matches, mesh_2x2, on_ranks
+from torch_tp.testing import replicated_copy, shard_locally, tp_mesh
 
 aten = torch.ops.aten
 
@@ -55,49 +42,21 @@ def _randomized(module, gen):
     return module
 
 
-def _sharded_copy(reference, mesh):
-    """A copy with every parameter a replicated DTensor."""
-    model = copy.deepcopy(reference)
-    replicated = [Replicate()] * mesh.ndim
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, replicated)))
-    return model
-
-
-def _shard(t, mesh, placements):
-    """``t`` as a DTensor, chunked locally (every rank holds all of ``t``: no communication)."""
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-
 def _step(model, reference, x, dy, mesh, placements, what, comms=None):
     """One forward + backward of both; compares output, input gradient, parameter gradients and
     (if ``comms`` = (forward, backward) expected counts) the collectives of each half."""
-    rx = x.clone().requires_grad_()
-    ref_y = reference(rx)
-    ref_y.backward(dy)
-    dx = _shard(x, mesh, placements).requires_grad_()
-    with CommDebugMode() as forward:
-        y = model(dx)
-    with CommDebugMode() as backward:
-        y.backward(_shard(dy, mesh, y.placements))
-    assert tuple(y.placements) == tuple(placements) and y.shape == ref_y.shape, (what, y.placements)
-    assert tuple(dx.grad.placements) == tuple(placements), (what, dx.grad.placements)
-    expected = _shard(ref_y.detach(), mesh, placements).to_local()
-    torch.testing.assert_close(y.to_local(), expected, **TOL, msg=lambda m: f"{what} output: {m}")
-    expected = _shard(rx.grad, mesh, placements).to_local()
-    torch.testing.assert_close(dx.grad.to_local(), expected, **TOL, msg=lambda m: f"{what} grad_input: {m}")
-    assert_params_and_grads_match(model, reference, **TOL, what=what)
+    step = assert_sharded_step_matches(model, reference, x, dy, mesh, placements, **TOL, what=what)
     if comms is not None:
-        assert_comm_counts(comm_counts(forward), comms[0], f"{what} forward")
-        assert_comm_counts(comm_counts(backward), comms[1], f"{what} backward")
+        assert_comm_counts(step.forward_comms, comms[0], f"{what} forward")
+        assert_comm_counts(step.backward_comms, comms[1], f"{what} backward")
+    return step.output, step.input
 
 
 def _assert_partial_param_grads(model, shape, placement):
     """Weight and bias gradients are the local strips' sums: ``Partial()``, not yet reduced."""
     mesh = tp_mesh()
-    y = model(_shard(torch.randn(shape), mesh, [placement]).requires_grad_())
-    y.backward(_shard(torch.randn(shape), mesh, [placement]))
+    y = model(shard_locally(torch.randn(shape), mesh, [placement]).requires_grad_())
+    y.backward(shard_locally(torch.randn(shape), mesh, [placement]))
     for name, p in model.named_parameters():
         assert p.grad.placements == (Partial(),), (name, p.grad.placements)
 
@@ -107,7 +66,7 @@ def _train_and_compare(reference, shape, *, placements, mesh=None, steps=2, comm
     mesh = mesh or tp_mesh()
     gen = torch.Generator().manual_seed(0)
     reference = _randomized(reference.to(dtype), gen)
-    model = _sharded_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     params = list(reference.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if params else None
     ref_opt = torch.optim.SGD(params, lr=0.1) if params else None
@@ -157,7 +116,7 @@ def test_statistics_of_an_offset_input_are_exact():
     x = torch.randn(3, 4, 6, 22, generator=gen) + 1000
     _, ref_mean, ref_rstd = aten.native_group_norm(x.double(), None, None, 3, 4, 132, 2, 1e-5)
     with sharded_group_norm():
-        out, mean, rstd = aten.native_group_norm(_shard(x, mesh, [Shard(3)]), None, None, 3, 4, 132, 2, 1e-5)
+        out, mean, rstd = aten.native_group_norm(shard_locally(x, mesh, [Shard(3)]), None, None, 3, 4, 132, 2, 1e-5)
     assert out.placements == (Shard(3),) and mean.placements == rstd.placements == (Replicate(),)
     assert mean.shape == rstd.shape == (3, 2)
     torch.testing.assert_close(mean.to_local().double(), ref_mean, rtol=1e-7, atol=0)
@@ -179,7 +138,7 @@ def test_batch_and_width_sharded_on_a_2x2_mesh():
         # batch only: per-sample statistics need no communication
         _train_and_compare(nn.GroupNorm(2, 4), (3, 4, 4, 10), mesh=mesh, placements=[Shard(0), Replicate()],
                            steps=1, comms=({}, {}))
-        x = _shard(torch.randn(3, 4, 4, 10), mesh, [Shard(0), Shard(3)])
+        x = shard_locally(torch.randn(3, 4, 4, 10), mesh, [Shard(0), Shard(3)])
         out, mean, rstd = aten.native_group_norm(x, None, None, 3, 4, 40, 2, 1e-5)
     assert out.placements == (Shard(0), Shard(3)) and mean.placements == rstd.placements == (Shard(0), Replicate())
 
@@ -250,7 +209,7 @@ LAYER_NORM_FORMS = {
 
 @pytest.mark.parametrize("form", list(LAYER_NORM_FORMS), ids=list(LAYER_NORM_FORMS))
 @on_ranks(2, 4)
-def test_channel_layer_norm_runs_locally_and_keeps_the_shard(form):
+def test_channel_layer_norm_runs_locally_and_keeps_theshard_locally(form):
     # the second dim has 3 positions: one rank holds nothing at world size 4
     factory, shape, dims = LAYER_NORM_FORMS[form]
     with sharded_group_norm():
@@ -268,15 +227,15 @@ def test_channel_layer_norm_runs_locally_and_keeps_the_shard(form):
 def test_channel_sharding_and_plain_weights_raise():
     mesh = tp_mesh()
     x = torch.randn(2, 4, 5, 6)
-    gn = _sharded_copy(nn.GroupNorm(2, 4), mesh)
+    gn = replicated_copy(nn.GroupNorm(2, 4), mesh)
     with sharded_group_norm():
         with pytest.raises(NotImplementedError, match="channel dim"):
-            gn(_shard(x, mesh, [Shard(1)]))
+            gn(shard_locally(x, mesh, [Shard(1)]))
         with pytest.raises(NotImplementedError, match="weight as a replicated DTensor"):
             group_norm_handler(aten.native_group_norm.default,
-                               (_shard(x, mesh, [Shard(3)]), torch.ones(4), None, 2, 4, 30, 2, 1e-5), {})
+                               (shard_locally(x, mesh, [Shard(3)]), torch.ones(4), None, 2, 4, 30, 2, 1e-5), {})
         with pytest.raises(NotImplementedError, match="replicated weight"):
-            F.group_norm(_shard(x, mesh, [Shard(3)]), 2, _shard(torch.ones(4), mesh, [Shard(0)]))
+            F.group_norm(shard_locally(x, mesh, [Shard(3)]), 2, shard_locally(torch.ones(4), mesh, [Shard(0)]))
         with pytest.raises(NotImplementedError, match=r"mesh dim 0 of the input is P\(sum\)"):
             gn(DTensor.from_local(x, mesh, [Partial()]))
 
@@ -287,36 +246,3 @@ def test_channel_sharding_and_plain_weights_raise():
 
 _OPS = (aten.native_group_norm.default, aten.native_group_norm_backward.default)
 _LN_OPS = (aten.native_layer_norm.default, aten.native_layer_norm_backward.default)
-
-
-def _entries():
-    table = DTensor._op_dispatcher._custom_op_handlers
-    rules = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
-    return [table.get(op, "missing") for op in _OPS] + [rules.get(op, "missing") for op in _LN_OPS]
-
-
-def test_install_nests_and_uninstall_restores_the_exact_entries():
-    before = _entries()
-    assert not is_installed()
-    with sharded_convolution():  # the convolution handlers stay independent
-        install()
-        after = _entries()
-        assert after[:2] == [group_norm_handler, group_norm_backward_handler]
-        assert all(rule.allow_uneven_sharding for rule in after[2:])
-        install()
-        uninstall()
-        assert is_installed() and _entries() == after
-        uninstall()
-        assert _entries() == before and not is_installed()
-        assert all(a is b for a, b in zip(_entries(), before))
-    with pytest.raises(RuntimeError, match="without a matching install"):
-        uninstall()
-
-
-def test_context_manager_restores_on_exceptions():
-    before = _entries()
-    with pytest.raises(KeyError):
-        with sharded_group_norm():
-            with sharded_group_norm():
-                raise KeyError("boom")
-    assert _entries() == before

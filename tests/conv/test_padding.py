@@ -16,27 +16,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp import parallelize_module
 from torch_tp.conv import SpatialParallel, sharded_convolution, sharded_padding
-from torch_tp.conv import padding
-from torch_tp.conv.spatial import _handlers_left_as_found
-from torch_tp.testing import (
-    TOL,
-    assert_comm_counts,
-    assert_params_and_grads_match,
-    comm_counts,
-    local_chunk,
-    mesh_2x2,
-    on_ranks,
-    record_p2p,
-    tp_mesh,
-)
+from torch_tp.testing import TOL, assert_comm_counts, assert_params_and_grads_match, comm_counts, local_chunk
+from torch_tp.testing import mesh_2x2, on_ranks, record_p2p, shard_locally, tp_mesh
 
 
 def _input(shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _shard(t, mesh, placements):
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,10 +48,10 @@ def test_pad_keeps_the_width_sharded_and_matches_one_process(case, width):
     ref = F.pad(rx, pad, value=value)
     grad = _input(ref.shape, seed=1)
     ref.backward(grad)
-    dx = _shard(x, tp_mesh(), [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, tp_mesh(), [Shard(3)]).requires_grad_()
     with sharded_padding(), CommDebugMode() as comm:
         y = F.pad(dx, pad, value=value)
-        y.backward(_shard(grad, tp_mesh(), [Shard(3)]))
+        y.backward(shard_locally(grad, tp_mesh(), [Shard(3)]))
     assert y.placements == (Shard(3),) and y.shape == ref.shape
     torch.testing.assert_close(y.to_local(), local_chunk(ref.detach(), 3), **TOL)
     torch.testing.assert_close(dx.grad.to_local(), local_chunk(rx.grad, 3), **TOL)
@@ -77,7 +62,7 @@ def test_pad_keeps_the_width_sharded_and_matches_one_process(case, width):
 def test_only_the_columns_that_change_owner_move():
     x = _input((1, 2, 3, 16))  # strips [0, 8), [8, 16); padded (0, 1): [0, 9), [9, 17)
     with sharded_padding(), record_p2p() as records:
-        F.pad(_shard(x, tp_mesh(), [Shard(3)]), [0, 1])
+        F.pad(shard_locally(x, tp_mesh(), [Shard(3)]), [0, 1])
     sent = sum(n for kind, _, n in records if kind == "send")
     assert sent == (2 * 3 * 8 if torch.distributed.get_rank() == 1 else 0)  # one column of 2x3 doubles
 
@@ -87,16 +72,16 @@ def test_batch_and_width_on_a_2x2_mesh_and_a_partial_input():
     mesh = mesh_2x2()
     x = _input((4, 2, 3, 10))
     with sharded_padding():
-        y = F.pad(_shard(x, mesh, [Shard(0), Shard(3)]), [1, 2], value=0.5)
+        y = F.pad(shard_locally(x, mesh, [Shard(0), Shard(3)]), [1, 2], value=0.5)
         assert y.placements == (Shard(0), Shard(3))
         torch.testing.assert_close(y.full_tensor(), F.pad(x, [1, 2], value=0.5), **TOL)
-        half = _shard(x / 2, mesh, [Replicate(), Shard(3)]).to_local()
+        half = shard_locally(x / 2, mesh, [Replicate(), Shard(3)]).to_local()
         halves = DTensor.from_local(half, mesh, [Partial(), Shard(3)])  # sums to x over the first dim
         for value in (0.0, 0.5):  # zeros pad a partial sum exactly; a constant needs the sum first
             y = F.pad(halves, [2, 1], value=value)
             torch.testing.assert_close(y.full_tensor(), F.pad(x, [2, 1], value=value), **TOL)
         with pytest.raises(NotImplementedError, match="padded and sharded over mesh dims"):
-            F.pad(_shard(x, mesh, [Shard(3), Shard(3)]), [1, 1])
+            F.pad(shard_locally(x, mesh, [Shard(3), Shard(3)]), [1, 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,12 +97,12 @@ def test_even_kernel_same_padding_stays_sharded_and_matches_one_process(kernel, 
     x = _input((2, 3, 6, 15))
     ref = conv(x.clone().requires_grad_())
     mesh = tp_mesh()
-    dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
     w = distribute_tensor(conv.weight.detach(), mesh, [Replicate()]).requires_grad_()
     b = distribute_tensor(conv.bias.detach(), mesh, [Replicate()]).requires_grad_()
     with sharded_convolution(), sharded_padding(), CommDebugMode() as comm:
         y = F.conv2d(dx, w, b, padding="same", dilation=dilation)
-        y.backward(_shard(torch.ones_like(ref), mesh, [Shard(3)]))
+        y.backward(shard_locally(torch.ones_like(ref), mesh, [Shard(3)]))
     ref.sum().backward()
     assert y.placements == (Shard(3),)
     torch.testing.assert_close(y.to_local(), local_chunk(ref.detach(), 3), **TOL)
@@ -145,17 +130,8 @@ def test_a_one_line_spatial_plan_with_even_same_convs_and_zero_pad_matches_one_p
     net.load_state_dict(ref.state_dict())
     x = _input((2, 3, 8, 16))  # even strips at the global pool (uneven ones gather there), uneven after the pad
     ref(x).square().sum().backward()
-    with _handlers_left_as_found(), CommDebugMode() as comm:
+    with CommDebugMode() as comm:
         parallelize_module(net, tp_mesh(), SpatialParallel(dim=3))
         net(local_chunk(x, 3)).square().sum().backward()
     assert "all_gather_into_tensor" not in comm_counts(comm), comm_counts(comm)  # padded strips stay strips
     assert_params_and_grads_match(net, ref)
-
-
-def test_install_nests_and_restores():
-    assert not padding.is_installed()
-    with sharded_padding():
-        with sharded_padding():
-            assert padding.is_installed()
-        assert padding.is_installed()
-    assert not padding.is_installed()

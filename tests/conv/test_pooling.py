@@ -13,21 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp.conv import conv_windows, halo_bytes, sharded_convolution
-from torch_tp.conv import batch_norm
 from torch_tp.conv.pooling import (
-    adaptive_max_pool_handler,
-    avg_pool_handler,
-    install,
-    is_installed,
-    max_pool_handler,
     sharded_pooling,
-    uninstall,
 )
-from torch_tp.testing import TOL, comm_counts, full_tensor, local_chunk, mesh_2x2, on_ranks, record_p2p, tp_mesh
+from torch_tp.testing import TOL, assert_sharded_step_matches, comm_counts, full_tensor, local_chunk, mesh_2x2
+from torch_tp.testing import on_ranks, record_p2p, shard_locally, tp_mesh
 
 aten = torch.ops.aten
 
@@ -76,36 +70,19 @@ def _distinct(shape, seed=0):
     return -1.0 - torch.randperm(torch.Size(shape).numel(), generator=gen).double().view(shape)
 
 
-def _shard(t, mesh, placements):
-    """``t`` as a DTensor, chunked locally (every rank holds all of ``t``: no communication)."""
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-
 def _piece(t, mesh, placements):
     """This rank's piece of ``t`` under ``placements`` (``torch.chunk`` rule): the reference."""
     if mesh.ndim == 1 and type(placements[0]) is Shard:
         return local_chunk(t, placements[0].dim)
-    return _shard(t, mesh, placements).to_local()
+    return shard_locally(t, mesh, placements).to_local()
 
 
 def _compare(pool, x, mesh, placements, expected_placements, what):
     """Forward and backward of ``pool`` on the sharded ``x`` against one process."""
-    rx = x.clone().requires_grad_()
-    ref = pool(rx)
-    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
-    ref.backward(grad)
-    dx = _shard(x, mesh, placements).detach().requires_grad_()
     with sharded_pooling():
-        y = pool(dx)
-        y.backward(_shard(grad, mesh, y.placements))
-    assert tuple(y.placements) == tuple(expected_placements), (what, y.placements)
-    assert y.shape == ref.shape, (what, y.shape, ref.shape)
-    torch.testing.assert_close(y.to_local(), _piece(ref.detach(), mesh, y.placements), **TOL,
-                               msg=lambda m: f"{what} output: {m}")
-    assert tuple(dx.grad.placements) == tuple(placements), (what, dx.grad.placements)
-    torch.testing.assert_close(dx.grad.to_local(), _piece(rx.grad, mesh, placements), **TOL,
-                               msg=lambda m: f"{what} grad_input: {m}")
-    return y
+        step = assert_sharded_step_matches(pool, pool, x, None, mesh, placements, params=False, **TOL,
+                                           output_placements=expected_placements, what=what)
+    return step.output
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +112,7 @@ def test_max_pool_indices_are_the_single_process_indices():
         x = _distinct(shape)
         ref_out, ref_idx = pool(x)
         with sharded_pooling():
-            out, idx = pool(_shard(x, mesh, [Shard(dim)]))
+            out, idx = pool(shard_locally(x, mesh, [Shard(dim)]))
         assert idx.placements == out.placements and idx.dtype == torch.long, name
         torch.testing.assert_close(out.full_tensor(), ref_out, **TOL, msg=lambda m: f"{name} out: {m}")
         assert torch.equal(idx.to_local(), _piece(ref_idx, mesh, idx.placements)), (name, idx.to_local())
@@ -157,7 +134,7 @@ def test_inference_mode_pools_stay_sharded():
     for name, (pool, shape, dim, expected) in pools.items():
         x = _distinct(shape)
         with torch.inference_mode(), sharded_pooling():
-            y = pool(_shard(x, mesh, [Shard(dim)]))
+            y = pool(shard_locally(x, mesh, [Shard(dim)]))
         assert y.placements == (expected,), (name, y.placements)
         torch.testing.assert_close(y.full_tensor(), pool(x), **TOL, msg=lambda m: f"{name}: {m}")
 
@@ -199,7 +176,7 @@ def test_resnet_stem_conv_max_pool_avg_pool_global_mean_chain():
     rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = stem(rx, rw)
     ref.mean((2, 3)).pow(2).sum().backward()
-    dx, dw = _shard(x, mesh, [Shard(3)]).requires_grad_(), _shard(w, mesh, [Replicate()]).requires_grad_()
+    dx, dw = shard_locally(x, mesh, [Shard(3)]).requires_grad_(), shard_locally(w, mesh, [Replicate()]).requires_grad_()
     with sharded_convolution(), sharded_pooling():
         y = stem(dx, dw)
         y.mean((2, 3)).pow(2).sum().backward()
@@ -234,7 +211,7 @@ def test_global_max_ties_go_to_the_lowest_global_index():
     assert ref_idx.flatten().tolist() == [9, 9]
     _compare(nn.AdaptiveMaxPool2d(1), x, mesh, [Shard(3)], [Replicate()], "ties")
     with sharded_pooling():
-        out, idx = F.adaptive_max_pool2d(_shard(x, mesh, [Shard(3)]), 1, return_indices=True)
+        out, idx = F.adaptive_max_pool2d(shard_locally(x, mesh, [Shard(3)]), 1, return_indices=True)
     assert torch.equal(idx.to_local(), ref_idx) and torch.equal(out.to_local(), ref_out)
 
 
@@ -255,7 +232,7 @@ def test_dtensor_already_pools_averages_globally_and_is_left_alone():
         rx = x.clone().requires_grad_()
         ref = pool(rx)
         ref.backward(torch.ones_like(ref))
-        dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+        dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
         with sharded_pooling():
             y = pool(dx)
             y.full_tensor().backward(torch.ones_like(ref))
@@ -273,23 +250,23 @@ def test_dtensor_already_pools_averages_globally_and_is_left_alone():
 def test_max_pool_sends_only_the_halos_and_global_max_one_all_gather():
     mesh = tp_mesh()
     x = _distinct((2, 3, 4, 11))
-    dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
     with sharded_pooling(), CommDebugMode() as mode:
         with record_p2p() as forward:
             y = F.max_pool2d(dx, 3, 2, 1)
         with record_p2p() as backward:
-            y.backward(_shard(torch.ones(y.shape, dtype=x.dtype), mesh, y.placements))
+            y.backward(shard_locally(torch.ones(y.shape, dtype=x.dtype), mesh, y.placements))
     assert comm_counts(mode) == {}, comm_counts(mode)
     windows = conv_windows(11, dist.get_world_size(), kernel_size=3, stride=2, padding=1)
     r = dist.get_rank()
     for records, direction in ((forward, "forward"), (backward, "backward")):
         sent = sum(n for kind, _, n in records if kind == "send")
         assert sent == halo_bytes(windows, slice_numel=2 * 3 * 4, element_size=8, direction=direction)[r]
-    dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+    dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
     with sharded_pooling(), CommDebugMode() as forward:
         y = nn.AdaptiveMaxPool2d(1)(dx)
     with sharded_pooling(), CommDebugMode() as backward:
-        y.backward(_shard(torch.ones(y.shape, dtype=x.dtype), mesh, y.placements))
+        y.backward(shard_locally(torch.ones(y.shape, dtype=x.dtype), mesh, y.placements))
     assert comm_counts(forward) == {"all_gather": 1}, comm_counts(forward)
     assert comm_counts(backward) == {}, comm_counts(backward)
 
@@ -303,13 +280,13 @@ def test_max_pool_sends_only_the_halos_and_global_max_one_all_gather():
 def test_wide_halos_read_across_ranks_and_bad_arguments_raise():
     mesh = tp_mesh()
     x = torch.randn(1, 2, 3, 6)
-    dx = _shard(x, mesh, [Shard(3)])  # strips 2, 2, 2, 0
+    dx = shard_locally(x, mesh, [Shard(3)])  # strips 2, 2, 2, 0
     with sharded_pooling():
         for pool in (F.max_pool2d, F.avg_pool2d):  # a halo of 3 from strips of 2: multi-hop
             torch.testing.assert_close(pool(dx, 7, 1, 3).full_tensor(), pool(x, 7, 1, 3), **TOL)
         with pytest.raises(RuntimeError, match="pad should be at most half"):
             F.max_pool2d(dx, 3, 1, 2)  # torch's own check, on the global shape
-        x2 = _shard(torch.randn(1, 2, 8, 8), mesh_2x2(), [Shard(2), Shard(3)])
+        x2 = shard_locally(torch.randn(1, 2, 8, 8), mesh_2x2(), [Shard(2), Shard(3)])
         with pytest.raises(NotImplementedError, match="one spatial dim"):
             F.max_pool2d(x2, 3, 1, 1)
         with pytest.raises(NotImplementedError, match="one spatial dim"):
@@ -322,33 +299,3 @@ def test_wide_halos_read_across_ranks_and_bad_arguments_raise():
 
 _OPS = (aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, aten.adaptive_max_pool2d.default,
         aten.max_pool3d_with_indices_backward.default)
-
-
-def _entries():
-    table = DTensor._op_dispatcher._custom_op_handlers
-    return [table.get(op, "missing") for op in _OPS]
-
-
-def test_install_nests_and_uninstall_restores_the_exact_entries():
-    before = _entries()
-    assert not is_installed()
-    with sharded_convolution(), batch_norm.sharded_batch_norm():  # the other handlers stay independent
-        install()
-        assert _entries()[:3] == [max_pool_handler, avg_pool_handler, adaptive_max_pool_handler]
-        install()
-        uninstall()
-        assert is_installed()
-        uninstall()
-        assert _entries() == before and not is_installed()
-        assert batch_norm.is_installed()
-    with pytest.raises(RuntimeError, match="without a matching install"):
-        uninstall()
-
-
-def test_context_manager_restores_on_exceptions():
-    before = _entries()
-    with pytest.raises(KeyError):
-        with sharded_pooling():
-            with sharded_pooling():
-                raise KeyError("boom")
-    assert _entries() == before and not is_installed()

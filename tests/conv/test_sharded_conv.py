@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch_tp.conv import conv_windows, halo_bytes, halo_overlap, install, sharded_convolution, sharded_padding, uninstall
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch_tp.conv import conv_windows, halo_bytes, halo_overlap, sharded_convolution, sharded_padding
 from torch_tp.testing import mesh_2x2, on_ranks, record_p2p, run_on_ranks, tp_mesh, world_sizes
 
 aten = torch.ops.aten
@@ -303,38 +303,6 @@ def test_unsupported_cases_raise_the_named_exception():
 # ---------------------------------------------------------------------------------------------
 
 _OPS = (aten.convolution.default, aten.convolution_backward.default)
-
-
-def _entries():
-    table = DTensor._op_dispatcher._custom_op_handlers
-    return [table.get(op) for op in _OPS]
-
-
-def test_import_installs_nothing_and_uninstall_restores_the_exact_entries():
-    import torch_tp  # noqa: F401
-    from torch_tp.conv import convolution_backward_handler, convolution_handler
-
-    before = _entries()
-    assert before[0] is not convolution_handler and before[1] is not convolution_backward_handler
-    install()
-    assert _entries() == [convolution_handler, convolution_backward_handler]
-    install()  # nested
-    uninstall()
-    assert _entries()[0] is convolution_handler
-    uninstall()
-    after = _entries()
-    assert all(a is b for a, b in zip(after, before, strict=True))
-    with pytest.raises(RuntimeError, match="without a matching install"):
-        uninstall()
-
-
-def test_context_manager_restores_on_exceptions():
-    before = _entries()
-    with pytest.raises(KeyError):
-        with sharded_convolution():
-            with sharded_convolution():
-                raise KeyError("boom")
-    assert all(a is b for a, b in zip(_entries(), before, strict=True))
 
 
 @on_ranks(2)

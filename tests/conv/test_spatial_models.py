@@ -16,43 +16,31 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
-from torch_tp.conv.spatial import _handlers_left_as_found
 from torch_tp.models import cnn
-from torch_tp.testing import assert_params_and_grads_match, local_chunk, on_ranks, tp_mesh
+from torch_tp.testing import assert_trains_like, local_chunk, on_ranks, tp_mesh
 
 F64 = dict(rtol=1e-7, atol=1e-9)  # float64: summation order only
 CLASSIFIERS = ["resnet", "convnext", "efficientnet"]
 
 
-def _leave_handlers_as_found(fn):
-    """Rank workers are shared between tests: uninstall what this test installed."""
+def _mean_square(out, numel=None):
+    """The mean of ``out`` squared; of a whole map of ``numel`` elements when ``out`` is a rank's
+    strip of it (the strips' losses then sum to the whole map's)."""
+    return out.pow(2).mean() if numel is None else out.pow(2).sum() / numel
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _handlers_left_as_found():
-            return fn(*args, **kwargs)
 
-    return wrapper
+def _is_plain(out, reference_out):
+    assert not isinstance(out, DTensor)
 
 
 def _train_like_one_process(reference, model, image, dim, *, spatial_output):
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
-    for step in range(3):
-        out, whole = model(local_chunk(image, dim)), reference(image)  # one forward each: BN statistics
-        want = local_chunk(whole, dim) if spatial_output else whole  # a map: each rank its strip
-        assert not isinstance(out, DTensor)
-        torch.testing.assert_close(out, want, **F64, msg=lambda m: f"step {step} output: {m}")
-        if spatial_output:  # the strips' losses sum to the whole map's
-            loss, ref_loss = out.pow(2).sum() / whole.numel(), whole.pow(2).mean()
-        else:
-            loss, ref_loss = out.pow(2).mean(), whole.pow(2).mean()
-            torch.testing.assert_close(loss, ref_loss, **F64)
-        loss.backward()
-        ref_loss.backward()
-        assert_params_and_grads_match(model, reference, **F64, what=f"step {step}")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    strip = functools.partial(local_chunk, dim=dim)
+    numel = image[:, :1].numel() * reference.out.out_channels if spatial_output else None  # the whole map's
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    batches = [(image, numel)] * 3  # one forward each per step: BN statistics
+    # a map: each rank its strip (and its loss on it), compared with the reference's strip
+    assert_trains_like(model, reference, batches, _mean_square, optimizer=sgd, **F64, module_inputs=strip,
+                       expected_output=strip if spatial_output else None, check=_is_plain)
     buffers = dict(model.named_buffers())
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(buffers[name], buffer, **F64, msg=lambda m: f"{name}: {m}")
@@ -64,7 +52,6 @@ def _train_like_one_process(reference, model, image, dim, *, spatial_output):
 @on_ranks(2, 4)
 @pytest.mark.parametrize("dim", [3, 2], ids=["width", "height"])
 @pytest.mark.parametrize("name", CLASSIFIERS)
-@_leave_handlers_as_found
 def test_a_classifier_trains_spatially_parallel_in_one_line(name, dim):
     torch.manual_seed(0)
     reference = getattr(cnn, name)(num_classes=5).double()
@@ -75,7 +62,6 @@ def test_a_classifier_trains_spatially_parallel_in_one_line(name, dim):
 
 @on_ranks(2, 4)
 @pytest.mark.parametrize("transposed", [False, True], ids=["bilinear", "transposed_conv"])
-@_leave_handlers_as_found
 def test_a_unet_returns_each_rank_its_strip_of_the_logits_and_trains_like_one_process(transposed):
     torch.manual_seed(0)
     reference = cnn.unet(width=4, transposed=transposed).double()
@@ -85,7 +71,6 @@ def test_a_unet_returns_each_rank_its_strip_of_the_logits_and_trains_like_one_pr
 
 
 @on_ranks(2)
-@_leave_handlers_as_found
 def test_until_ends_the_region_at_the_head_which_reads_whole_features():
     torch.manual_seed(0)
     reference = cnn.resnet(num_classes=5).double()
@@ -98,7 +83,6 @@ def test_until_ends_the_region_at_the_head_which_reads_whole_features():
 
 
 @on_ranks(2)
-@_leave_handlers_as_found
 def test_output_layouts_replicate_returns_the_whole_map():
     torch.manual_seed(0)
     reference = cnn.unet(width=4).double()
@@ -122,6 +106,27 @@ def test_layers_whose_result_on_a_strip_would_differ_are_refused_naming_their_pa
         SpatialParallel(dim=3).check(model, 4, "")
 
 
+def _conv_bn_act():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), cnn.BatchNormAct2d(4), nn.Conv2d(4, 2, 3, padding=1))
+
+
+@on_ranks(2)
+def test_a_layer_with_its_own_forward_is_refused_with_advice_that_works():
+    # timm's BatchNormAct2d in a layer-by-layer plan: the error advises the whole-model form, which trains
+    torch.manual_seed(0)
+    reference = _conv_bn_act().double()
+    with pytest.raises(UnsupportedModuleError) as refused:
+        parallelize_module(copy.deepcopy(reference), tp_mesh(), {"*": SpatialParallel(dim=3)})
+    advice = "parallelize_module(model, mesh, SpatialParallel(dim=3))"
+    assert "'1' (BatchNormAct2d)" in str(refused.value) and advice in str(refused.value), str(refused.value)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), SpatialParallel(dim=3))  # the advice
+    image = torch.randn(2, 3, 6, 10, dtype=torch.float64)
+    strip = functools.partial(local_chunk, dim=3)
+    numel = 2 * 2 * 6 * 10  # the whole output map's: the strips' losses sum to the reference's
+    assert_trains_like(model, reference, [(image, numel)] * 2, _mean_square, optimizer=functools.partial(
+        torch.optim.SGD, lr=0.05), **F64, module_inputs=strip, expected_output=strip, check=_is_plain)
+
+
 def test_until_must_name_a_submodule():
     with pytest.raises(ValueError, match=r"until='fc'.*no submodule has that path"):
         SpatialParallel(dim=3, until="fc").check(cnn.resnet(), 2, "")
@@ -129,7 +134,6 @@ def test_until_must_name_a_submodule():
 
 @on_ranks(2)
 @pytest.mark.parametrize("name", [*CLASSIFIERS, "unet"])
-@_leave_handlers_as_found
 def test_verify_plan_passes_on_each_zoo_model(name):
     from torch_tp import verify_plan
 

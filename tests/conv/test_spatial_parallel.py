@@ -3,9 +3,9 @@
 The loss is computed on the gathered output (``full_tensor()``), so every rank computes the
 same loss as the single-process model and backpropagates through the gather.
 
-Applying the style installs the sharded convolution handlers in the worker; every rank task
-here restores the worker's previous state when it ends (see ``_restoring_handlers``), so other
-tests sharing the worker pool see DTensor as they left it.
+Applying the style makes the model hold the handler sets it needs; their handlers run only
+inside it, so other tests sharing the worker pool see DTensor as upstream has it
+(``tests/conv/test_registry.py``).
 """
 
 import copy
@@ -19,28 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch_tp.conv as tp_conv
 import torch_tp.conv.batch_norm as tp_batch_norm
 from torch_tp import SpatialParallel, UnsupportedModuleError, parallelize_module
-from torch_tp.conv.spatial import _handlers_left_as_found
 from torch_tp.functional import spatial
-from torch_tp.testing import (
-    TOL,
-    assert_params_and_grads_match,
-    local_chunk,
-    on_ranks,
-    run_on_ranks,
-    tp_mesh,
-    world_sizes,
-)
+from torch_tp.testing import TOL, assert_params_and_grads_match, assert_trains_like, full_tensor, local_chunk
+from torch_tp.testing import on_ranks, run_on_ranks, tp_mesh, world_sizes
 
 WIDTH_PLAN = {"*": SpatialParallel(dim=3)}
-
-
-def _restoring_handlers(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _handlers_left_as_found():
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def _cnn():
@@ -63,35 +46,31 @@ def _cnn():
 # ------------------------------------------------------------------ training
 
 
-@_restoring_handlers
+# the loss of the gathered output: every rank computes the single-process loss
+def _gathered_mse(out, target):
+    return nn.functional.mse_loss(full_tensor(out), target)
+
+
+def _gathered_mean_square(out, _):
+    return full_tensor(out).pow(2).mean()
+
+
 def _train_task(steps):
     torch.manual_seed(0)
     reference = _cnn()
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), WIDTH_PLAN)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and param.placements == (Replicate(),), name
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses = []
     image = torch.randn(2, 3, 8, 30)  # same on every rank (seeded); width 30 is uneven on 4
     target = torch.randn(2, 4, 4, 15)
-    for step in range(steps):
-        out = model(local_chunk(image, 3))
+
+    def sharded_like_the_target(out, _):
         assert isinstance(out, DTensor) and out.placements == (Shard(3),)
         assert out.to_local().shape == local_chunk(target, 3).shape
-        expected = reference(image)
-        torch.testing.assert_close(out.full_tensor(), expected, **TOL)
-        loss = nn.functional.mse_loss(out.full_tensor(), target)
-        ref_loss = nn.functional.mse_loss(expected, target)
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        loss.backward()
-        ref_loss.backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        losses.append(loss.item())
+
+    sgd, strip = functools.partial(torch.optim.SGD, lr=0.1), functools.partial(local_chunk, dim=3)
+    losses = assert_trains_like(model, reference, [(image, target)] * steps, _gathered_mse, optimizer=sgd, **TOL,
+                                module_inputs=strip, check=sharded_like_the_target)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=lambda m: f"{name}: {m}")
     return losses
@@ -108,7 +87,6 @@ def test_small_cnn_trains_3_sgd_steps_like_single_process(world_size):
 
 
 @on_ranks(2, 4)
-@_restoring_handlers
 def test_style_arguments():
     reference = _cnn()
     image = torch.randn(2, 3, 8, 30)
@@ -157,28 +135,7 @@ def test_style_arguments():
     expected.square().sum().backward()
     torch.testing.assert_close(x.grad, local_chunk(volume.grad, 2), **TOL)
     assert_params_and_grads_match(sharded, model, **TOL)
-    assert tp_conv.is_installed()
-
-
-# ------------------------------------------------------------------ installation
-
-
-@on_ranks(2)
-@_restoring_handlers
-def test_applying_the_style_installs_the_handlers_once():
-    before = tp_conv.is_installed()
-    table = DTensor._op_dispatcher._custom_op_handlers
-    depth = len(tp_conv.sharded_conv._TABLE._saved)
-    parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
-    parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)  # applied again: installed once, not stacked
-    after = tp_conv.is_installed()
-    stacked = len(tp_conv.sharded_conv._TABLE._saved) - depth
-    handler = table[torch.ops.aten.convolution.default]
-    assert (before, after, stacked, handler is tp_conv.convolution_handler) == (False, True, 1, True)
-
-
-def test_import_alone_installs_nothing():
-    assert not tp_conv.is_installed()
+    assert tp_conv.sharded_conv.is_installed()  # held by the models alive here
 
 
 # ------------------------------------------------------------------ refusals
@@ -195,7 +152,6 @@ _REFUSED = {
 
 @pytest.mark.parametrize("name", list(_REFUSED))
 @on_ranks(2)
-@_restoring_handlers
 def test_unsupported_modules_are_refused_naming_the_path(name):
     build, phrases = _REFUSED[name]
     model = nn.Sequential()
@@ -210,25 +166,36 @@ def test_unsupported_modules_are_refused_naming_the_path(name):
 
 
 @on_ranks(2)
-@_restoring_handlers
 def test_a_dim_that_is_not_spatial_is_refused():
     with pytest.raises(ValueError, match="spatial dim"):
         parallelize_module(nn.Conv1d(2, 2, 3), tp_mesh(), {"": SpatialParallel(dim=3)})
 
 
 @on_ranks(2)
-@_restoring_handlers
 def test_inputs_and_modes_the_sharded_convolution_cannot_run_are_refused_at_forward():
     # an unbatched input would put dim=-1 on the wrong spatial dim
     conv = parallelize_module(nn.Conv2d(3, 3, 3), tp_mesh(), {"": SpatialParallel(dim=-1)})
     with pytest.raises(ValueError, match="batched 4-D"):
         conv(torch.randn(3, 8, 8))
 
-    # without the BatchNorm handlers a BatchNorm cannot use its plain running statistics
+    # without the BatchNorm handlers a BatchNorm cannot use its plain running statistics: entries
+    # something else replaced in DTensor's table since the model was parallelized are named
     model = parallelize_module(_cnn(), tp_mesh(), WIDTH_PLAN)
-    tp_batch_norm.uninstall()
-    with pytest.raises(RuntimeError, match=r"torch_tp.conv.batch_norm.install\(\)"):
-        model(torch.randn(2, 3, 8, 8))
+    table = DTensor._op_dispatcher._custom_op_handlers
+    saved = {op: table.pop(op) for op in tp_batch_norm.HANDLERS.handlers}
+    try:
+        with pytest.raises(RuntimeError, match=r"handlers of torch_tp.conv.batch_norm are no longer"):
+            model(torch.randn(2, 3, 8, 8))
+    finally:
+        table.update(saved)
+    # a whole-model region needs every set, the pooling one too
+    region = parallelize_module(nn.Sequential(nn.Conv2d(3, 3, 3), nn.MaxPool2d(2)), tp_mesh(), SpatialParallel(dim=3))
+    saved = {op: table.pop(op) for op in tp_conv.pooling.HANDLERS.handlers}
+    try:
+        with pytest.raises(RuntimeError, match=r"handlers of torch_tp.conv.pooling are no longer"):
+            region(torch.randn(2, 3, 8, 8))
+    finally:
+        table.update(saved)
 
 
 def test_style_is_immutable_hashable_and_validates_its_arguments():
@@ -255,7 +222,6 @@ def test_style_is_immutable_hashable_and_validates_its_arguments():
 
 
 @on_ranks(2, 4)
-@_restoring_handlers
 def test_a_cnn_with_batch_norm_in_training_mode_trains_like_one_process():
     """Batch statistics of the whole image (not of a strip), running statistics identical on
     every rank and equal to one process's, through training and then eval."""
@@ -265,17 +231,10 @@ def test_a_cnn_with_batch_norm_in_training_mode_trains_like_one_process():
         nn.Conv2d(8, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None),
     )
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), WIDTH_PLAN)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
     image = torch.randn(2, 3, 6, 10)  # width 10: strips 3, 3, 3, 1 on 4 ranks
-    for step in range(3):
-        out, want = model(local_chunk(image, 3)), reference(image)
-        torch.testing.assert_close(out.full_tensor(), want, **TOL, msg=lambda m: f"step {step}: {m}")
-        out.full_tensor().pow(2).mean().backward()
-        want.pow(2).mean().backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    assert_trains_like(model, reference, [(image, None)] * 3, _gathered_mean_square,
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1), **TOL,
+                       module_inputs=functools.partial(local_chunk, dim=3))
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(dict(model.named_buffers())[name], buffer, **TOL, msg=lambda m: f"{name}: {m}")
     model.eval(), reference.eval()

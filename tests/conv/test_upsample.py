@@ -10,42 +10,25 @@ own order depends on the layout and sizes), and bit for bit where the arithmetic
 (integer values, scale 2).
 """
 
-import contextlib
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from torch_tp.conv import sharded_batch_norm, sharded_conv
-from torch_tp.conv.transposed_conv import transposed_convolution_backward_handler, transposed_convolution_handler
+from torch_tp.conv import sharded_batch_norm, sharded_convolution
+from torch_tp.conv.transposed_conv import transposed_convolution_handler
 from torch_tp.conv.upsample import (
     _interpolate,
     _interpolate_adjoint,
     _taps,
-    install,
-    is_installed,
     sharded_upsampling,
-    uninstall,
-    upsample_backward_handler,
     upsample_handler,
 )
-from torch_tp.testing import (
-    TOL,
-    comm_counts,
-    full_tensor,
-    local_chunk,
-    mesh_2x2,
-    on_ranks,
-    rank,
-    record_p2p,
-    sent_bytes,
-    tp_mesh,
-    world_size,
-)
+from torch_tp.testing import TOL, assert_sharded_step_matches, comm_counts, full_tensor, mesh_2x2, on_ranks, rank
+from torch_tp.testing import record_p2p, replicated_copy, sent_bytes, shard_locally, tp_mesh, world_size
 
 aten = torch.ops.aten
 
@@ -53,49 +36,6 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------------------------
 # Helpers (rank side)
 # ---------------------------------------------------------------------------------------------
-
-
-def _shard(t, mesh, placements):
-    """``t`` as a DTensor, chunked locally (every rank holds all of ``t``: no communication)."""
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-
-def _replicated_copy(module, mesh):
-    model = copy.deepcopy(module)
-    replicated = [Replicate()] * mesh.ndim
-    for sub in model.modules():
-        for name, p in list(sub.named_parameters(recurse=False)):
-            setattr(sub, name, nn.Parameter(distribute_tensor(p.detach(), mesh, replicated)))
-    return model
-
-
-@contextlib.contextmanager
-def _routed_convolution():
-    """``aten.convolution`` (+ backward) routed by ``transposed``: to the transposed handlers
-    here, to :mod:`sharded_conv`'s otherwise (what its handlers do once they route)."""
-    table = DTensor._op_dispatcher._custom_op_handlers
-    ops = (aten.convolution.default, aten.convolution_backward.default)
-    saved = {op: table.get(op) for op in ops}
-
-    def forward(op_call, args, kwargs):
-        if args[6]:
-            return transposed_convolution_handler(op_call, args, kwargs)
-        return sharded_conv.convolution_handler(op_call, args, kwargs)
-
-    def backward(op_call, args, kwargs):
-        if args[7]:
-            return transposed_convolution_backward_handler(op_call, args, kwargs)
-        return sharded_conv.convolution_backward_handler(op_call, args, kwargs)
-
-    table.update({ops[0]: forward, ops[1]: backward})
-    try:
-        yield
-    finally:
-        for op, handler in saved.items():
-            if handler is None:
-                table.pop(op, None)
-            else:
-                table[op] = handler
 
 
 def _pair(model, reference):
@@ -106,26 +46,8 @@ def _pair(model, reference):
 def _run(fn, x, dy, mesh, placements, what, exact=(), context=sharded_upsampling):
     """``fn`` on ``x`` sharded by ``placements`` against ``fn`` on ``x``: output and input gradient
     strips (bit for bit those named in ``exact``: ``"output"``, ``"grad"``), placements, shapes."""
-    rx = x.clone().requires_grad_()
-    ref = fn(rx)
-    ref.backward(dy)
-    dx = _shard(x, mesh, placements).requires_grad_()
     with context():
-        y = fn(dx)
-        y.backward(_shard(dy, mesh, y.placements))
-    assert tuple(y.placements) == tuple(placements) and y.shape == ref.shape, (what, y.placements, y.shape)
-    assert tuple(dx.grad.placements) == tuple(placements), (what, dx.grad.placements)
-
-    def check(kind, actual, expected):
-        tol = dict(rtol=0, atol=0) if kind in exact else TOL
-        torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what} {kind}: {m}")
-
-    if mesh.ndim == 1 and isinstance(placements[0], Shard):  # the torch.chunk strip
-        piece = lambda t: local_chunk(t.detach(), placements[0].dim)  # noqa: E731
-    else:
-        piece = lambda t: _shard(t.detach(), mesh, placements).to_local()  # noqa: E731
-    check("output", y.to_local(), piece(ref))
-    check("grad", dx.grad.to_local(), piece(rx.grad))
+        assert_sharded_step_matches(fn, fn, x, dy, mesh, placements, exact=exact, params=False, **TOL, what=what)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +132,7 @@ def test_exchange_moves_exactly_the_columns_read_and_no_collective():
     column = 2 * 3 * 4 * 4  # bytes of one column: batch * channels * height * float32
     inner_neighbours = (rank() > 0) + (rank() < n - 1)
     for mode, expected in (("nearest", 0), ("bilinear", inner_neighbours * column)):
-        dx = _shard(x, mesh, [Shard(3)]).requires_grad_()
+        dx = shard_locally(x, mesh, [Shard(3)]).requires_grad_()
         with sharded_upsampling(), CommDebugMode() as comm:
             with record_p2p() as forward:
                 y = F.interpolate(dx, scale_factor=2, mode=mode)
@@ -236,8 +158,8 @@ def test_partial_sum_input_passes_through_upsampling_and_is_reduced_before_a_tra
     assert y.placements == (Partial(), Shard(3)) and comm_counts(comm) == {}, (y.placements, comm_counts(comm))
     torch.testing.assert_close(y.full_tensor(), F.interpolate(whole, scale_factor=2, mode="bilinear"), **TOL)
     reference = nn.ConvTranspose2d(4, 3, 2, stride=2)
-    model = _replicated_copy(reference, mesh)
-    with _routed_convolution():
+    model = replicated_copy(reference, mesh)
+    with sharded_convolution():
         z = model(x)
     assert z.placements == (Replicate(), Shard(3))
     torch.testing.assert_close(z.full_tensor(), reference(whole), **TOL)
@@ -246,7 +168,7 @@ def test_partial_sum_input_passes_through_upsampling_and_is_reduced_before_a_tra
 @on_ranks(2)
 def test_without_the_handlers_dtensor_gathers_and_replicates():
     # what the handlers replace: DTensor's own upsample all-gathers the input
-    dx = _shard(torch.randn(2, 3, 4, 10), tp_mesh(), [Shard(3)])
+    dx = shard_locally(torch.randn(2, 3, 4, 10), tp_mesh(), [Shard(3)])
     with CommDebugMode() as comm:
         y = F.interpolate(dx, scale_factor=2, mode="nearest")
     assert y.placements == (Replicate(),) and comm_counts(comm) == {"all_gather_into_tensor": 1}
@@ -306,11 +228,11 @@ def test_transposed_convolution_matches_single_process(case):
     mesh = tp_mesh()
     torch.manual_seed(0)
     reference = make()
-    model = _replicated_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=gen)
     dy = torch.randn(reference(x).shape, generator=gen)
-    _run(_pair(model, reference), x, dy, mesh, [Shard(dim)], case, context=_routed_convolution)
+    _run(_pair(model, reference), x, dy, mesh, [Shard(dim)], case, context=sharded_convolution)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad.placements == (Partial(),), (name, p.grad.placements)
         torch.testing.assert_close(full_tensor(p.grad), q.grad, **TOL, msg=lambda m: f"{case} grad of {name}: {m}")
@@ -321,10 +243,10 @@ def test_transposed_convolution_batch_and_width_sharded_on_a_2x2_mesh():
     mesh = mesh_2x2()
     torch.manual_seed(0)
     reference = nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1)
-    model = _replicated_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     x = torch.randn(3, 4, 5, 10)
     dy = torch.randn(reference(x).shape)
-    _run(_pair(model, reference), x, dy, mesh, [Shard(0), Shard(3)], "2x2", context=_routed_convolution)
+    _run(_pair(model, reference), x, dy, mesh, [Shard(0), Shard(3)], "2x2", context=sharded_convolution)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad.placements == (Partial(), Partial())
         torch.testing.assert_close(full_tensor(p.grad), q.grad, **TOL)
@@ -334,9 +256,9 @@ def test_transposed_convolution_batch_and_width_sharded_on_a_2x2_mesh():
 def test_transposed_k2s2_sends_nothing_when_chunks_line_up():
     # width 8 on 2 or 4 ranks: each rank's output chunk is exactly its inputs' reach
     mesh = tp_mesh()
-    model = _replicated_copy(nn.ConvTranspose2d(4, 3, 2, stride=2), mesh)
-    dx = _shard(torch.randn(2, 4, 3, 8), mesh, [Shard(3)]).requires_grad_()
-    with _routed_convolution(), record_p2p() as p2p, CommDebugMode() as comm:
+    model = replicated_copy(nn.ConvTranspose2d(4, 3, 2, stride=2), mesh)
+    dx = shard_locally(torch.randn(2, 4, 3, 8), mesh, [Shard(3)]).requires_grad_()
+    with sharded_convolution(), record_p2p() as p2p, CommDebugMode() as comm:
         y = model(dx)
         y.backward(torch.ones_like(y))
     assert y.placements == (Shard(3),) and y.to_local().shape[3] == 16 // world_size()
@@ -369,20 +291,14 @@ def test_tiny_unet_trains_like_single_process():
     mesh = tp_mesh()
     torch.manual_seed(0)
     reference = _TinyUNet().double()
-    model = _replicated_copy(reference, mesh)
+    model = replicated_copy(reference, mesh)
     gen = torch.Generator().manual_seed(6)
     for dim, shape in ((3, (2, 3, 6, 16)), (2, (2, 3, 12, 8))):
         x = torch.randn(shape, generator=gen, dtype=torch.float64)
         dy = torch.randn(shape[0], 2, *shape[2:], generator=gen, dtype=torch.float64)
 
-        @contextlib.contextmanager
-        def everything():
-            with _routed_convolution(), sharded_batch_norm(), sharded_upsampling():
-                yield
-
-        _run(_pair(model, reference), x, dy, mesh, [Shard(dim)], f"dim {dim}", context=everything)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(full_tensor(p.grad), q.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+        with sharded_convolution(), sharded_batch_norm(), sharded_upsampling():
+            assert_sharded_step_matches(model, reference, x, dy, mesh, [Shard(dim)], **TOL, what=f"dim {dim}")
         model.zero_grad()
         reference.zero_grad()
 
@@ -400,19 +316,19 @@ def test_unsupported_cases_raise():
         partial = DTensor.from_local(torch.randn(2, 4, 6, 16), mesh, [Partial("max")])
         with pytest.raises(NotImplementedError, match="Partial"):
             F.interpolate(partial, scale_factor=2)
-        two = _shard(torch.randn(2, 2, 8, 8), mesh_2x2(), [Shard(2), Shard(3)])
+        two = shard_locally(torch.randn(2, 2, 8, 8), mesh_2x2(), [Shard(2), Shard(3)])
         with pytest.raises(NotImplementedError, match="one spatial dim"):
             F.interpolate(two, scale_factor=2, mode="bilinear")
     with pytest.raises(NotImplementedError, match="as a DTensor"):
         upsample_handler(aten.upsample_nearest2d.default, (x, [12, 32], 2.0, 2.0), {})
-    w = _shard(torch.randn(4, 4, 2, 2), mesh, [Replicate()])
-    args = (_shard(x, mesh, [Shard(3)]), w, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1)
+    w = shard_locally(torch.randn(4, 4, 2, 2), mesh, [Replicate()])
+    args = (shard_locally(x, mesh, [Shard(3)]), w, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1)
     with pytest.raises(ValueError, match="transposed=True calls only"):
         transposed_convolution_handler(aten.convolution.default, args, {})
-    args = (_shard(x, mesh, [Shard(1)]), w, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1)
+    args = (shard_locally(x, mesh, [Shard(1)]), w, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1)
     with pytest.raises(NotImplementedError, match="channel dim"):
         transposed_convolution_handler(aten.convolution.default, args, {})
-    args = (_shard(x, mesh, [Shard(3)]), _shard(torch.randn(4, 4, 2, 2), mesh, [Shard(0)]), None, [2, 2],
+    args = (shard_locally(x, mesh, [Shard(3)]), shard_locally(torch.randn(4, 4, 2, 2), mesh, [Shard(0)]), None, [2, 2],
             [0, 0], [1, 1], True, [0, 0], 1)
     with pytest.raises(NotImplementedError, match="replicated weight"):
         transposed_convolution_handler(aten.convolution.default, args, {})
@@ -424,32 +340,3 @@ def test_unsupported_cases_raise():
 
 _OPS = (aten.upsample_nearest2d.default, aten.upsample_bilinear2d_backward.default,
         aten._upsample_nearest_exact3d.default, aten.upsample_linear1d.default)
-
-
-def _entries():
-    table = DTensor._op_dispatcher._custom_op_handlers
-    return [table.get(op, "missing") for op in (*_OPS, aten.convolution.default)]
-
-
-def test_install_nests_and_uninstall_restores_the_exact_entries():
-    before = _entries()
-    assert not is_installed()
-    install()
-    assert _entries()[:4] == [upsample_handler, upsample_backward_handler, upsample_handler, upsample_handler]
-    assert _entries()[4] is before[4]  # the convolution entry is sharded_conv's business
-    install()
-    uninstall()
-    assert is_installed()
-    uninstall()
-    assert _entries() == before and not is_installed()
-    with pytest.raises(RuntimeError, match="without a matching install"):
-        uninstall()
-
-
-def test_context_manager_restores_on_exceptions():
-    before = _entries()
-    with pytest.raises(KeyError):
-        with sharded_upsampling():
-            with sharded_upsampling():
-                raise KeyError("boom")
-    assert _entries() == before

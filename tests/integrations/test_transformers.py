@@ -5,19 +5,14 @@ Tiny configs built from the config classes (no download): vocab 128, hidden 64, 
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import explain_plan, verify_plan
-from torch_tp.testing import (
-    assert_params_and_grads_match,
-    assert_training_step_matches,
-    run_on_ranks,
-    tp_mesh,
-    world_sizes,
-)
+from torch_tp.testing import assert_trains_like, run_on_ranks, tp_mesh, world_sizes
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,12 +55,12 @@ def _build(family):
     return model_class(config)
 
 
-def _loss(output, targets):
-    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class _Logits(torch.nn.Module):
-    """The model with its logits as output, for assert_training_step_matches."""
+    """The model with its logits as output, for assert_trains_like."""
 
     def __init__(self, model):
         super().__init__()
@@ -73,6 +68,19 @@ class _Logits(torch.nn.Module):
 
     def forward(self, ids):
         return self.model(ids).logits
+
+
+class _LossesOnLabels(torch.nn.Module):
+    """The model on ``(ids, labels)``, with its logits, router auxiliary loss and total loss as output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        ids, labels = batch
+        out = self.model(ids, labels=labels)
+        return {"logits": out.logits, "aux loss": out.aux_loss, "loss": out.loss}
 
 
 def _trains_like_one_process(family, sequence_parallel):
@@ -85,19 +93,10 @@ def _trains_like_one_process(family, sequence_parallel):
         assert model.lm_head.weight is model.model.embed_tokens.weight
     norm = model.model.layers[0].input_layernorm.weight
     assert type(norm).__name__ == ("DTensor" if sequence_parallel else "Parameter")
-    optimizers = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (model, reference)]
-    wrapped, wrapped_reference = _Logits(model), _Logits(reference)
-    for step in range(3):
-        ids = torch.randint(0, VOCAB, (2, 8))
-        targets = torch.randint(0, VOCAB, (2, 8))
-        assert_training_step_matches(
-            wrapped, wrapped_reference, ids, targets,
-            lambda logits, t: torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten()),
-            **TOL, what=f"{family} sp={sequence_parallel} step {step}",
-        )
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = ((torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(3))
+    adamw = functools.partial(torch.optim.AdamW, **ADAMW)
+    assert_trains_like(_Logits(model), _Logits(reference), batches, _loss, optimizer=adamw, **TOL,
+                       what=f"{family} sp={sequence_parallel}")
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         torch.testing.assert_close(full, q, **TOL, msg=lambda m: f"{name} after 3 steps: {m}")
@@ -253,20 +252,11 @@ def _moe_trains_like_one_process(family, experts, sequence_parallel):
     whole = sum(p.nbytes for n, p in reference.named_parameters() if ".experts." in n)
     local = sum(p.to_local().untyped_storage().nbytes() for n, p in model.named_parameters() if ".experts." in n)
     assert local == whole // tp_mesh().size()
-    optimizers = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (model, reference)]
-    for step in range(3):
-        ids, targets = torch.randint(0, VOCAB, (2, 2, 8))
-        out, want = model(ids, labels=targets), reference(ids, labels=targets)
-        what = f"{family} experts={experts} sp={sequence_parallel} step {step}"
-        torch.testing.assert_close(out.logits, want.logits, **TOL, msg=lambda m: f"{what} logits: {m}")
-        torch.testing.assert_close(out.aux_loss, want.aux_loss, **TOL, msg=lambda m: f"{what} aux loss: {m}")
-        torch.testing.assert_close(out.loss, want.loss, **TOL, msg=lambda m: f"{what} loss: {m}")
-        out.loss.backward()
-        want.loss.backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=what)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    # each batch is the model's input (ids, labels): the model computes its own loss
+    batches = ((torch.randint(0, VOCAB, (2, 2, 8)).unbind(), None) for _ in range(3))
+    assert_trains_like(_LossesOnLabels(model), _LossesOnLabels(reference), batches, lambda out, _: out["loss"],
+                       optimizer=functools.partial(torch.optim.AdamW, **ADAMW), **TOL,
+                       what=f"{family} experts={experts} sp={sequence_parallel}")
 
 
 @world_sizes(2, 4)

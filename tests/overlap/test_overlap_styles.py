@@ -22,6 +22,7 @@ from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.testing import (
     quantize_weights,
     assert_params_and_grads_match,
+    assert_trains_like,
     comm_counts,
     local_chunk,
     rank,
@@ -39,6 +40,10 @@ def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _sgd_on_trainable(parameters):
+    return torch.optim.SGD([p for p in parameters if p.requires_grad], lr=0.1, momentum=0.9)
+
+
 def _overlapped_matches_unfused(quantized, steps):
     torch.manual_seed(0)
     reference = Transformer(ARGS)
@@ -48,24 +53,9 @@ def _overlapped_matches_unfused(quantized, steps):
     parallelize_module(fused, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=True))
     parallelize_module(unfused, tp_mesh(), tensor_parallel_plan(sequence_parallel=True))
     trainable = [p for p in fused.parameters() if p.requires_grad]
-    optimizers = [
-        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-        for m in (fused, unfused)
-    ]
-    losses = []
-    for step in range(steps + 1):
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-        targets = torch.randint(0, ARGS.vocab_size, (2, 8))
-        logits, want = fused(tokens), unfused(tokens)
-        torch.testing.assert_close(logits, want, **TOL)
-        loss = _loss(logits, targets)
-        loss.backward()
-        _loss(want, targets).backward()
-        assert_params_and_grads_match(fused, unfused, **TOL, params=not quantized, what=f"step {step}")
-        losses.append(loss.item())
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = ((torch.randint(0, ARGS.vocab_size, (2, 8)), torch.randint(0, ARGS.vocab_size, (2, 8)))
+               for _ in range(steps + 1))
+    losses = assert_trains_like(fused, unfused, batches, _loss, optimizer=_sgd_on_trainable, **TOL, params=not quantized)
     return losses, len(trainable)
 
 
@@ -219,6 +209,22 @@ def _misuse_case():
 
 def test_overlap_on_an_embedding_is_refused_before_anything_changes():
     assert run_on_ranks(_misuse_case, 2) == [False, False]
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear whose forward does more than the matmul: the fused ops would drop the scale."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+@pytest.mark.parametrize("style", [ColwiseParallel(input_layouts=Shard(1), overlap=True),
+                                   RowwiseParallel(output_layouts=Shard(1), overlap=True)], ids=["colwise", "rowwise"])
+def test_overlap_on_a_linear_with_its_own_forward_is_refused_naming_it(style):
+    # the fused forward runs F.linear: the subclass's scale would be lost silently (1.19 off before)
+    with pytest.raises(TypeError, match=r"\(overlap=True\) cannot handle 'up' \(_ScaledLinear\): _ScaledLinear has"):
+        style.check(_ScaledLinear(8, 8), 2, "up")
+    style.check(nn.Linear(8, 8), 2, "up")  # a plain Linear still passes
 
 
 def test_overlap_needs_a_sequence_sharded_layout():

@@ -2,6 +2,7 @@
 (experts split on their hidden dim) match the single-process model, whatever the routing."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -14,24 +15,27 @@ from torch_tp.functional import expert_parallel, expert_tensor_parallel
 from torch_tp.models.llama import ModelArgs
 from torch_tp.models.moe import GroupedExperts, MoE, MoEArgs, MoETransformer, tensor_parallel_plan
 from torch_tp.parallel import routing_summary
-from torch_tp.testing import (
-    TOL,
-    assert_params_and_grads_match,
-    full_tensor,
-    local_chunk,
-    on_ranks,
-    rank,
-    tp_mesh,
-    world_size,
-)
+from torch_tp.testing import TOL, assert_params_and_grads_match, assert_trains_like, full_tensor, local_chunk
+from torch_tp.testing import on_ranks, rank, tp_mesh, world_size
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)
 MOE = MoEArgs(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=16)
 AUX = 0.01
 
 
-def _loss(model, logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + AUX * model.aux_loss()
+class _WithAuxLoss(nn.Module):
+    """The model with its logits and its router's auxiliary loss as output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return {"logits": self.model(tokens), "aux loss": self.model.aux_loss()}
+
+
+def _loss(out, targets):
+    return F.cross_entropy(out["logits"].flatten(0, 1), targets.flatten()) + AUX * out["aux loss"]
 
 
 @on_ranks(2, 4)
@@ -42,20 +46,9 @@ def test_the_zoo_moe_decoder_trains_like_one_process(experts, sequence_parallel)
     reference = MoETransformer(ARGS, MOE)
     plan = tensor_parallel_plan(MOE, experts=experts, sequence_parallel=sequence_parallel)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
-    for step in range(3):
-        tokens, targets = torch.randint(0, ARGS.vocab_size, (2, 2, 8))
-        out, want = model(tokens), reference(tokens)
-        torch.testing.assert_close(out, want, **TOL, msg=lambda m: f"step {step} logits: {m}")
-        torch.testing.assert_close(model.aux_loss(), reference.aux_loss(), **TOL)
-        loss, ref_loss = _loss(model, out, targets), _loss(reference, want, targets)
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        loss.backward()
-        ref_loss.backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = (torch.randint(0, ARGS.vocab_size, (2, 2, 8)).unbind() for _ in range(3))
+    assert_trains_like(_WithAuxLoss(model), _WithAuxLoss(reference), batches, _loss,
+                       optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), **TOL)
 
 
 # ----------------------------------------------------------------------------- skewed routing

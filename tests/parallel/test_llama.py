@@ -5,6 +5,7 @@ match to 1e-5 (float32), and keep matching through 3 SGD-with-momentum steps.
 """
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from torch_tp import parallelize_module
 from torch_tp.models.llama import tensor_parallel_plan
 from torch_tp.testing import (
     TOL,
-    assert_training_step_matches,
+    assert_trains_like,
     run_on_ranks,
     small_llama,
     small_llama_args,
@@ -33,19 +34,10 @@ def _train_and_compare(sequence_parallel, steps=3):
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=sequence_parallel))
     # SGD is linear in the gradient, so float32 reduction-order noise (~1e-6) stays that
     # small; Adam divides by sqrt(v) and turns noise on near-zero gradients into lr-sized steps.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(steps + 1):
-        tokens = torch.randint(0, VOCAB, (2, 8))
-        targets = torch.randint(0, VOCAB, (2, 8))
-        losses.append(assert_training_step_matches(model, reference, tokens, targets, _loss, **TOL, what=f"step {step}"))
-        if step < steps:
-            optimizer.step()
-            ref_optimizer.step()
-            optimizer.zero_grad()
-            ref_optimizer.zero_grad()
-    return losses
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    # steps + 1 batches: the last compares the models after `steps` optimizer steps
+    batches = ((torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(steps + 1))
+    return assert_trains_like(model, reference, batches, _loss, optimizer=sgd, **TOL)
 
 
 @world_sizes(2, 4)

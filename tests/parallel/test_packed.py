@@ -23,6 +23,7 @@ from torch_tp.testing import (
     TOL,
     assert_comm_counts,
     assert_params_and_grads_match,
+    assert_trains_like,
     assert_training_step_matches,
     comm_counts,
     local_chunk,
@@ -120,15 +121,8 @@ def test_packed_rowwise_weight_holds_a_slice_of_every_part_of_its_input_features
 def test_packed_mlp_matches_single_process_through_3_sgd_steps(hidden, bias):
     reference = PackedMLP(hidden, bias=bias)
     sharded = _parallel_copy(reference, MLP_PLAN)
-    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        x, target = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
-        assert_training_step_matches(sharded, reference, x, target, F.mse_loss, **TOL, what=f"step {step}")
-        optimizer.step()
-        ref_optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.zero_grad()
+    batches = ((torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)) for _ in range(3))
+    assert_trains_like(sharded, reference, batches, F.mse_loss, optimizer=functools.partial(torch.optim.SGD, lr=0.1), **TOL)
     assert_params_and_grads_match(sharded, reference, **TOL, what="after 3 steps")
 
 

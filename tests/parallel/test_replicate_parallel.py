@@ -2,6 +2,7 @@
 outputs that are what the single-process model computes (never a bare partial sum or strip)."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch_tp import ReplicateParallel, RowwiseParallel, SpatialParallel, parall
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.testing import (
     assert_params_and_grads_match,
+    assert_trains_like,
     full_tensor,
     local_chunk,
     run_on_ranks,
@@ -21,6 +23,10 @@ from torch_tp.testing import (
 
 QWEN_ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16, qk_norm=True)
 TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _mean_square(logits, _):
+    return logits.pow(2).mean()
 
 
 def _qk_norm_llama_matches_single_process(sequence_parallel):
@@ -33,17 +39,8 @@ def _qk_norm_llama_matches_single_process(sequence_parallel):
     plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, qk_norm=True)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     assert model.layers[0].attention.q_norm.weight.placements == (Replicate(),)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    for step in range(2):
-        tokens = torch.randint(0, QWEN_ARGS.vocab_size, (2, 8))
-        logits, want = model(tokens), reference(tokens)
-        torch.testing.assert_close(logits, want, **TOL)
-        logits.pow(2).mean().backward()
-        want.pow(2).mean().backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = ((torch.randint(0, QWEN_ARGS.vocab_size, (2, 8)), None) for _ in range(2))
+    assert_trains_like(model, reference, batches, _mean_square, optimizer=functools.partial(torch.optim.SGD, lr=0.1), **TOL)
 
 
 @world_sizes(2, 4)
@@ -96,9 +93,6 @@ def _spatial_cnn_with_replicated_head():
     full_tensor(out).sum().backward()
     reference(image).sum().backward()
     assert_params_and_grads_match(model, reference, **TOL)
-    from torch_tp.conv import uninstall
-
-    uninstall()
 
 
 @world_sizes(2, 4)

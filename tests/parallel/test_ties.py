@@ -2,6 +2,7 @@
 untie a shared parameter is refused before anything changes."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.testing import assert_training_step_matches, run_on_ranks, tp_mesh, world_sizes
+from torch_tp.testing import assert_trains_like, run_on_ranks, tp_mesh, world_sizes
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=48, max_seq_len=16, tie_embeddings=True)
 
@@ -28,15 +29,8 @@ def _tied_llama_trains_like_one_process(sequence_parallel):
     assert model.output.weight is model.tok_embeddings.weight
     assert isinstance(model.output.weight, DTensor)
     assert len(list(model.parameters())) == len(list(reference.parameters()))
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
-    losses = []
-    for step in range(3):
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
-        targets = torch.randint(0, ARGS.vocab_size, (2, 8))
-        losses.append(assert_training_step_matches(model, reference, tokens, targets, _loss, what=f"step {step}"))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = ((torch.randint(0, ARGS.vocab_size, (2, 8)), torch.randint(0, ARGS.vocab_size, (2, 8))) for _ in range(3))
+    losses = assert_trains_like(model, reference, batches, _loss, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
     assert model.output.weight is model.tok_embeddings.weight
     return losses
 

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.tensor.parallel.style as upstream_style
 import torch.distributed.tensor.parallel as upstream
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,14 +44,7 @@ from torch_tp.testing import (
 )
 
 ARGS = small_llama_args(n_layers=1)
-STYLE_NAMES = [
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-]
+STYLE_NAMES = [name for name in upstream_style.__all__ if name != "ParallelStyle"]  # upstream's styles
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -20,7 +20,6 @@ from torch_tp import (
     parallelize_module,
     verify_plan,
 )
-from torch_tp.conv.spatial import _handlers_left_as_found
 from torch_tp.models.llama import RMSNorm, tensor_parallel_plan
 from torch_tp.parallel.verify import GRADIENT, INPUTS, OUTPUT, PLAIN, RANK_GRADIENT, TIE, UPDATED
 from torch_tp.testing import (
@@ -272,12 +271,11 @@ def test_a_local_shard_compared_without_gather_outputs_is_a_shape_mismatch():
 
 @on_ranks(2, 4)
 def test_a_spatially_sharded_cnn_passes_with_its_dtensor_output_compared_whole():
-    with _handlers_left_as_found():
-        report = verify_plan(
-            lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)),
-            tp_mesh(), {"*": SpatialParallel(dim=3)}, (torch.randn(2, 3, 6, 10),),
-            shard_inputs=lambda args: (local_chunk(args[0], 3),), steps=2,
-        )
+    report = verify_plan(
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)),
+        tp_mesh(), {"*": SpatialParallel(dim=3)}, (torch.randn(2, 3, 6, 10),),
+        shard_inputs=lambda args: (local_chunk(args[0], 3),), steps=2,
+    )
     assert report.ok
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_tp.quant import Int8SymmetricTensor, Int8SymmetricWeightConfig
-from torch_tp.testing import TOL
+from torch_tp.testing import TOL, run_script
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bfloat16 keeps 8 bits: outputs of magnitude ~4 are 0.03 apart, and addmm rounds twice.
@@ -217,8 +217,5 @@ def test_quantize_with_the_torchao_config_swaps_linear_and_embedding_weights():
 
 
 def test_importing_torch_tp_quant_prints_nothing():
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", "import torch_tp.quant"], capture_output=True, text=True)
+    done = run_script("-c", "import torch_tp.quant", check=False)
     assert done.returncode == 0 and done.stderr == "" and done.stdout == ""

@@ -6,7 +6,8 @@ than the neighbour's strip continues into the next ranks'), and :func:`halo_exch
 them between the ranks of a process group or mesh dim,
 with the exact adjoint as its backward. :func:`halo_bytes` gives the bytes each rank sends.
 :func:`install` / :func:`uninstall` / :func:`sharded_convolution` put DTensor handlers for
-``aten.convolution`` and its backward in place that use them (see :mod:`torch_tp.conv.sharded_conv`).
+``aten.convolution`` and its backward in place that use them, ordinary and transposed (see
+:mod:`torch_tp.conv.sharded_conv`, :mod:`torch_tp.conv.transposed_conv`).
 :class:`SpatialParallel` (and :func:`torch_tp.functional.spatial`) run whole convolution
 layers on spatial shards with them (:mod:`torch_tp.conv.spatial`), and BatchNorm in training
 mode with the statistics of the whole batch through :mod:`torch_tp.conv.batch_norm`'s
@@ -20,7 +21,10 @@ convolution on strips (:func:`sharded_upsampling`, :mod:`torch_tp.conv.upsample`
 and spatial means over uneven strips without a gather (:func:`sharded_mean`,
 :mod:`torch_tp.conv.global_mean`).
 
-Importing this package changes no DTensor behaviour.
+Importing this package changes no DTensor behaviour, and neither does a spatial model for the
+DTensor code beside it: each handler module owns one handler set of the registry
+(:mod:`torch_tp.conv._registry`), a ``SpatialParallel`` model holds the sets it needs while it
+lives, and their handlers run only inside it; the shared helpers are :mod:`torch_tp.conv._core`.
 
 Example::
 
@@ -38,19 +42,18 @@ from torch_tp.conv.halo import halo_bytes, halo_exchange
 from torch_tp.conv.padding import sharded_padding
 from torch_tp.conv.pointwise import sharded_pointwise
 from torch_tp.conv.pooling import sharded_pooling
-from torch_tp.conv.sharded_conv import (
-    convolution_backward_handler,
-    convolution_handler,
-    halo_overlap,
-    install,
-    is_installed,
-    overlaps_halos,
-    sharded_convolution,
-    uninstall,
-)
+from torch_tp.conv import sharded_conv as _sharded_conv
+from torch_tp.conv import transposed_conv as _transposed_conv
+from torch_tp.conv._registry import public_functions as _public_functions
+from torch_tp.conv.sharded_conv import convolution_backward_handler, convolution_handler, halo_overlap, overlaps_halos
 from torch_tp.conv.spatial import SpatialParallel, check_spatial
 from torch_tp.conv.transposed_conv import transposed_convolution_handler
 from torch_tp.conv.upsample import sharded_upsampling
+
+# ordinary and transposed convolution share aten.convolution: one switch for both sets
+install, uninstall, is_installed, sharded_convolution = _public_functions(
+    (_sharded_conv.HANDLERS, _transposed_conv.HANDLERS), "torch_tp.conv", "sharded_convolution",
+    "convolution (ordinary and transposed)")
 
 __all__ = [
     "ShardWindow",

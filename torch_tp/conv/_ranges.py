@@ -53,53 +53,48 @@ def _slices(like: torch.Tensor, dim: int, count: int, fill: Optional[float] = No
     return like.new_empty(shape) if fill is None else like.new_full(shape, fill)
 
 
+def _move(src: torch.Tensor, src_start: int, dst: torch.Tensor, dst_start: int, dim: int, rg: _Ranges,
+          transfers: list, combine: Any) -> torch.Tensor:
+    """One batch of P2P ops: per rank ``q``, ``(q, peer, sent, received)`` global ranges; the sent
+    one is read from ``src`` (which starts at global position ``src_start``), the received one
+    ``combine``-d into ``dst`` (starting at ``dst_start``); this rank's own range is combined locally."""
+    ops, received = [], []
+    for q, peer, (s0, s1), (r0, r1) in transfers:
+        if q == rg.position:
+            if r1 > r0:
+                combine(dst.narrow(dim, r0 - dst_start, r1 - r0), src.narrow(dim, r0 - src_start, r1 - r0))
+            continue
+        if s1 > s0:
+            piece = src.narrow(dim, s0 - src_start, s1 - s0).contiguous()
+            ops.append(dist.P2POp(dist.isend, piece, peer=peer, group=rg.group))
+        if r1 > r0:
+            received.append((r0 - dst_start, _slices(src, dim, r1 - r0)))
+            ops.append(dist.P2POp(dist.irecv, received[-1][1], peer=peer, group=rg.group))
+    _run_p2p(ops)
+    for at, buf in received:
+        combine(dst.narrow(dim, at, buf.shape[dim]), buf)
+    return dst
+
+
+def _transfers(rg: _Ranges) -> list:
+    """Per rank ``q``: ``(q, peer, held_for_q, read_from_q)``, the positions this rank holds that
+    ``q`` reads and those ``q`` holds that this rank reads (empty when ``lo >= hi``)."""
+    mine, reads = rg.bounds[rg.position], rg.needs[rg.position]
+    return [(q, peer, _overlap(mine, rg.needs[q]), _overlap(rg.bounds[q], reads)) for q, peer in enumerate(rg.peers)]
+
+
 def _gather(shard: torch.Tensor, dim: int, rg: _Ranges) -> torch.Tensor:
     """This rank's ``needs`` slice ``[lo, hi)`` along ``dim``, from the ranks that hold it."""
-    me, (start, stop), (lo, hi) = rg.position, rg.bounds[rg.position], rg.needs[rg.position]
+    (start, stop), (lo, hi) = rg.bounds[rg.position], rg.needs[rg.position]
     assert shard.shape[dim] == stop - start, (shard.shape, dim, rg.bounds)
-    strip = _slices(shard, dim, hi - lo)
-    ops, received = [], []
-    for q, peer in enumerate(rg.peers):
-        s0, s1 = _overlap((start, stop), rg.needs[q])
-        if q != me and s1 > s0:
-            piece = shard.narrow(dim, s0 - start, s1 - s0).contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, peer=peer, group=rg.group))
-        r0, r1 = _overlap(rg.bounds[q], (lo, hi))
-        if r1 <= r0:
-            continue
-        if q == me:
-            strip.narrow(dim, r0 - lo, r1 - r0).copy_(shard.narrow(dim, r0 - start, r1 - r0))
-        else:
-            buf = _slices(shard, dim, r1 - r0)
-            ops.append(dist.P2POp(dist.irecv, buf, peer=peer, group=rg.group))
-            received.append((r0, buf))
-    _run_p2p(ops)
-    for r0, buf in received:
-        strip.narrow(dim, r0 - lo, buf.shape[dim]).copy_(buf)
-    return strip
+    return _move(shard, start, _slices(shard, dim, hi - lo), lo, dim, rg, _transfers(rg), torch.Tensor.copy_)
 
 
 def _scatter_add(strip: torch.Tensor, dim: int, rg: _Ranges) -> torch.Tensor:
     """The adjoint of :func:`_gather`: each slice of ``strip`` (this rank's ``needs``) goes to
     its holder, and every rank returns the sum of what lands in its own ``bounds``."""
-    me, (start, stop), (lo, hi) = rg.position, rg.bounds[rg.position], rg.needs[rg.position]
+    (start, stop), (lo, hi) = rg.bounds[rg.position], rg.needs[rg.position]
     assert strip.shape[dim] == hi - lo, (strip.shape, dim, rg.needs)
+    reversed_transfers = [(q, peer, read, held) for q, peer, held, read in _transfers(rg)]
     out = _slices(strip, dim, stop - start, fill=0)
-    ops, received = [], []
-    for q, peer in enumerate(rg.peers):
-        r0, r1 = _overlap(rg.bounds[q], (lo, hi))
-        if r1 > r0:
-            piece = strip.narrow(dim, r0 - lo, r1 - r0)
-            if q == me:
-                out.narrow(dim, r0 - start, r1 - r0).add_(piece)
-            else:
-                ops.append(dist.P2POp(dist.isend, piece.contiguous(), peer=peer, group=rg.group))
-        s0, s1 = _overlap((start, stop), rg.needs[q])
-        if q != me and s1 > s0:
-            buf = _slices(strip, dim, s1 - s0)
-            ops.append(dist.P2POp(dist.irecv, buf, peer=peer, group=rg.group))
-            received.append((s0, buf))
-    _run_p2p(ops)
-    for s0, buf in received:
-        out.narrow(dim, s0 - start, buf.shape[dim]).add_(buf)
-    return out
+    return _move(strip, lo, out, start, dim, rg, reversed_transfers, torch.Tensor.add_)

@@ -13,6 +13,9 @@ or plain tensors (the same on every rank), or ``None``. The statistics are those
 | ``native_batch_norm_backward.default``, training | autograd of the above | global sums, 1 ``all_reduce`` |
 | ``native_batch_norm_backward.default``, eval | autograd of the above | the local kernel, no communication |
 
+Installed by a ``SpatialParallel`` model that needs it, or for every op by
+:func:`sharded_batch_norm` (:mod:`torch_tp.conv._registry`).
+
 Training forward: each rank's count, mean and centred sum of squares per channel, one
 ``all_gather`` of them per sharded mesh dim and Chan's parallel merge in float64; each rank
 normalizes its own strip and updates the running statistics in place (the same bits on every
@@ -28,10 +31,6 @@ channel-sharded one (``Shard(1)``) raises. In eager mode on CPU with torch 2.13 
 are the only batch-norm ops that reach DTensor (``_native_batch_norm_legit*`` do not;
 traced with a dispatch mode for ``BatchNorm1d/2d/3d`` in both modes); on CUDA, cuDNN's
 ``cudnn_batch_norm`` may be chosen instead, which these handlers do not cover.
-
-Nothing is installed on import: use :func:`install` / :func:`uninstall` or
-:func:`sharded_batch_norm`, which put these handlers into DTensor's custom op table and
-restore exactly the entries that were there before.
 
 Example::
 
@@ -52,10 +51,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from torch_tp.conv._handler_table import HandlerTable
-from torch_tp.conv.sharded_conv import _bind, _wrap
+from torch_tp.conv._core import bind, check_replicated, compute_dtype, local, merge_moments, \
+    partial_where_sharded, spatial_layout, wrap
+from torch_tp.conv._registry import HandlerSet
 
 __all__ = [
     "batch_norm_backward_handler",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+HANDLERS = HandlerSet("torch_tp.conv.batch_norm", serves=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
 
 _FORWARD_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
 _BACKWARD_ARGS = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean",
@@ -90,37 +92,19 @@ class _Layout:
 
     def reduced_placements(self) -> list:
         """Placements of a per-channel sum over the local strip: ``Partial`` where sharded."""
-        return [Partial() if i in self.sharded_mesh_dims else Replicate() for i in range(self.mesh.ndim)]
+        return partial_where_sharded(self.placements)
+
+
+_WHAT = "sharded batch norm"
 
 
 def _layout(x: Any, tensors: dict[str, Any]) -> _Layout:
-    if not isinstance(x, DTensor):
-        raise NotImplementedError(
-            f"sharded batch norm needs the input as a DTensor, got a plain {type(x).__name__}"
-        )
-    if x.ndim < 2:
-        raise NotImplementedError(f"sharded batch norm needs an (N, C, ...) input, got {x.ndim} dims")
-    mesh = x.device_mesh
-    sharded = []
-    for mesh_dim, p in enumerate(x.placements):
-        if isinstance(p, Replicate):
-            continue
-        if type(p) is not Shard:
-            raise NotImplementedError(
-                f"sharded batch norm supports Replicate(), Shard(0) (batch) and Shard(d) on spatial "
-                f"dims; mesh dim {mesh_dim} of the input is {p}"
-            )
-        if p.dim % x.ndim == 1:
-            raise NotImplementedError(
-                f"sharded batch norm cannot shard the channel dim (Shard(1) on mesh dim {mesh_dim}); "
-                f"shard the batch (dim 0) or a spatial dim (2..{x.ndim - 1}) instead"
-            )
-        sharded.append(mesh_dim)
-    for name, t in tensors.items():
-        _check_replicated(t, mesh, name)
+    parsed = spatial_layout(x, _WHAT)
+    for name, t in tensors.items():  # running statistics may be plain: the same on every rank
+        check_replicated(t, parsed.mesh, name, _WHAT, plain_ok=name not in ("weight", "bias"))
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    return _Layout(mesh, tuple(x.placements), tuple(sharded), (0, *range(2, x.ndim)), count)
+    return _Layout(parsed.mesh, parsed.placements, parsed.sharded_mesh_dims, (0, *range(2, x.ndim)), count)
 
 
 def _channel_shape(ndim: int) -> list[int]:
@@ -128,36 +112,10 @@ def _channel_shape(ndim: int) -> list[int]:
     return [1, -1] + [1] * (ndim - 2)
 
 
-def _check_replicated(t: Any, mesh: Any, name: str) -> None:
-    if t is None:
-        return
-    if not isinstance(t, DTensor):
-        if name in ("weight", "bias"):
-            raise NotImplementedError(
-                f"sharded batch norm needs the {name} as a replicated DTensor on the input's mesh "
-                f"(its gradient is one), got a plain {type(t).__name__}"
-            )
-        return  # running statistics: a plain tensor, the same on every rank
-    if t.device_mesh != mesh:
-        raise ValueError(f"sharded batch norm: the {name} lives on {t.device_mesh}, the input on {mesh}")
-    if not all(isinstance(p, Replicate) for p in t.placements):
-        raise NotImplementedError(
-            f"sharded batch norm needs a replicated {name} (all Replicate()), got {t.placements}"
-        )
-
-
-def _local(t: Any) -> Optional[torch.Tensor]:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _stats_dtype(x: DTensor, weight: Any, running_mean: Any) -> torch.dtype:
     """The dtype of ``save_mean`` / ``save_invstd``: the parameters' (float32 for a bf16 input
     with float32 parameters), else the input's, as the CPU kernel returns them."""
     return next((t.dtype for t in (weight, running_mean) if t is not None), x.dtype)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,26 +134,11 @@ def _local_moments(x_local: torch.Tensor, layout: _Layout) -> torch.Tensor:
     row = x_local.new_zeros(1 + 2 * channels, dtype=torch.float64)
     row[0] = n
     if n:
-        var, mean = torch.var_mean(x_local.to(_compute_dtype(x_local.dtype)), dim=layout.reduce_dims,
+        var, mean = torch.var_mean(x_local.to(compute_dtype(x_local.dtype)), dim=layout.reduce_dims,
                                    correction=0)
         row[1:1 + channels] = mean
         row[1 + channels:] = var.double() * n
     return row
-
-
-def _merge_moments(rows: torch.Tensor) -> torch.Tensor:
-    """Chan et al.'s parallel merge of ``(ranks, 1 + 2C)`` moment rows into one row.
-
-    ``mean = sum_r n_r mean_r / n`` and ``m2 = sum_r m2_r + sum_r n_r (mean_r - mean)^2``:
-    every term is non-negative, so the variance never comes from a difference of large sums.
-    """
-    channels = (rows.shape[1] - 1) // 2
-    n_r = rows[:, :1]
-    means, m2s = rows[:, 1:1 + channels], rows[:, 1 + channels:]
-    n = n_r.sum()
-    mean = (n_r * means).sum(0) / n.clamp_min(1)
-    m2 = m2s.sum(0) + (n_r * (means - mean) ** 2).sum(0)
-    return torch.cat([n.reshape(1), mean, m2])
 
 
 def _global_moments(x_local: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +148,7 @@ def _global_moments(x_local: torch.Tensor, layout: _Layout) -> tuple[torch.Tenso
     for mesh_dim in layout.sharded_mesh_dims:
         rows = [torch.empty_like(row) for _ in range(layout.mesh.size(mesh_dim))]
         dist.all_gather(rows, row, group=layout.mesh.get_group(mesh_dim))
-        row = _merge_moments(torch.stack(rows))
+        row = merge_moments(torch.stack(rows))
     channels = (row.numel() - 1) // 2
     return row[1:1 + channels], row[1 + channels:]
 
@@ -222,10 +165,10 @@ def _update_running_stats(running_mean: Any, running_var: Any, mean: torch.Tenso
     """``running = momentum * batch + (1 - momentum) * running`` in place (unbiased batch
     variance, ``m2 / (n - 1)`` with the global ``n``), computed in float64 as the CPU kernel does."""
     if running_mean is not None:
-        rm = _local(running_mean)
+        rm = local(running_mean)
         rm.copy_(momentum * mean + (1 - momentum) * rm.double())
     if running_var is not None:
-        rv = _local(running_var)
+        rv = local(running_var)
         rv.copy_(momentum * (m2 / (count - 1)) + (1 - momentum) * rv.double())
 
 
@@ -234,6 +177,7 @@ def _update_running_stats(running_mean: Any, running_var: Any, mean: torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
+@HANDLERS.implements(aten.native_batch_norm.default)
 def batch_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.native_batch_norm.default`` with a sharded input.
 
@@ -256,14 +200,14 @@ def batch_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         >>> out.placements, out.shape, out.to_local().shape, mean.placements     # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 3, 4, 10]), torch.Size([2, 3, 4, 1]), (Replicate(),))
     """
-    x, weight, bias, running_mean, running_var, training, momentum, eps = _bind(args, kwargs, _FORWARD_ARGS)
+    x, weight, bias, running_mean, running_var, training, momentum, eps = bind(args, kwargs, _FORWARD_ARGS)
     layout = _layout(x, {"weight": weight, "bias": bias, "running_mean": running_mean,
                          "running_var": running_var})
-    x_local, w_local, b_local = _local(x), _local(weight), _local(bias)
+    x_local, w_local, b_local = local(x), local(weight), local(bias)
     replicated = [Replicate()] * layout.mesh.ndim
     if not training:
         out, save_mean, save_invstd = aten.native_batch_norm.default(
-            x_local, w_local, b_local, _local(running_mean), _local(running_var), False, momentum, eps)
+            x_local, w_local, b_local, local(running_mean), local(running_var), False, momentum, eps)
     else:
         mean, m2 = _global_moments(x_local, layout)
         invstd = torch.rsqrt(m2 / max(layout.count, 1) + eps)
@@ -272,9 +216,9 @@ def batch_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         dtype = _stats_dtype(x, weight, running_mean)
         save_mean, save_invstd = mean.to(dtype), invstd.to(dtype)
     return (
-        _wrap(out, layout.mesh, layout.placements, x.shape),
-        _wrap(save_mean, layout.mesh, replicated, save_mean.shape),
-        _wrap(save_invstd, layout.mesh, replicated, save_invstd.shape),
+        wrap(out, layout.mesh, layout.placements, x.shape),
+        wrap(save_mean, layout.mesh, replicated, save_mean.shape),
+        wrap(save_invstd, layout.mesh, replicated, save_invstd.shape),
     )
 
 
@@ -284,12 +228,13 @@ def _normalize(x_local: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, 
     coefficients, applied in float32 or higher)."""
     alpha = invstd if weight is None else invstd * weight.double()
     beta = -mean * alpha if bias is None else bias.double() - mean * alpha
-    dtype = _compute_dtype(x_local.dtype)
+    dtype = compute_dtype(x_local.dtype)
     shape = _channel_shape(x_local.ndim)
     out = torch.addcmul(beta.to(dtype).view(shape), x_local.to(dtype), alpha.to(dtype).view(shape))
     return out.to(x_local.dtype)
 
 
+@HANDLERS.implements(aten.native_batch_norm_backward.default)
 def batch_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.native_batch_norm_backward.default`` (the global batch's).
 
@@ -308,7 +253,7 @@ def batch_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tupl
         ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
     """
     (grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-     output_mask) = _bind(args, kwargs, _BACKWARD_ARGS)
+     output_mask) = bind(args, kwargs, _BACKWARD_ARGS)
     layout = _layout(x, {"weight": weight, "running_mean": running_mean, "running_var": running_var,
                          "save_mean": save_mean, "save_invstd": save_invstd})
     if not isinstance(grad_out, DTensor):
@@ -317,17 +262,17 @@ def batch_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tupl
         grad_out = grad_out.redistribute(layout.mesh, layout.placements)
     mask = list(output_mask)
     if train:
-        gi, gw, gb = _train_backward(grad_out.to_local(), x.to_local(), _local(weight), _local(save_mean),
-                                     _local(save_invstd), layout, mask)
+        gi, gw, gb = _train_backward(grad_out.to_local(), x.to_local(), local(weight), local(save_mean),
+                                     local(save_invstd), layout, mask)
     else:
         gi, gw, gb = aten.native_batch_norm_backward.default(
-            grad_out.to_local(), x.to_local(), _local(weight), _local(running_mean), _local(running_var),
-            _local(save_mean), _local(save_invstd), False, eps, mask)
+            grad_out.to_local(), x.to_local(), local(weight), local(running_mean), local(running_var),
+            local(save_mean), local(save_invstd), False, eps, mask)
     reduced = layout.reduced_placements()
     return (
-        _wrap(gi, layout.mesh, layout.placements, x.shape) if mask[0] else None,
-        _wrap(gw, layout.mesh, reduced, gw.shape) if mask[1] else None,
-        _wrap(gb, layout.mesh, reduced, gb.shape) if mask[2] else None,
+        wrap(gi, layout.mesh, layout.placements, x.shape) if mask[0] else None,
+        wrap(gw, layout.mesh, reduced, gw.shape) if mask[1] else None,
+        wrap(gb, layout.mesh, reduced, gb.shape) if mask[2] else None,
     )
 
 
@@ -340,7 +285,7 @@ def _train_backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Te
     invstd * weight``, ``grad_weight = p * invstd`` and ``grad_bias = s`` (here over the
     local strip: ``Partial``).
     """
-    dtype = _compute_dtype(x.dtype)
+    dtype = compute_dtype(x.dtype)
     shape = _channel_shape(x.ndim)
     dy_c = dy.to(dtype)
     x_mu = x.to(dtype) - mean.to(dtype).view(shape)
@@ -364,8 +309,4 @@ def _train_backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Te
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.batch_norm", {
-    aten.native_batch_norm.default: batch_norm_handler,
-    aten.native_batch_norm_backward.default: batch_norm_backward_handler,
-})
-install, uninstall, is_installed, sharded_batch_norm = _TABLE.public_functions("sharded_batch_norm", "batch norm")
+install, uninstall, is_installed, sharded_batch_norm = HANDLERS.public_functions("sharded_batch_norm", "batch norm")

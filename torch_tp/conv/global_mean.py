@@ -5,6 +5,9 @@
 | ``mean.dim`` | ``x.mean((2, 3))`` (squeeze-excite), ``nn.AdaptiveAvgPool*d(1)``, any ``mean`` over dims | :func:`mean_handler`: a ``sum`` over the dims, divided by the global count |
 | ``mean.default`` | ``x.mean()`` | :func:`mean_handler`, over every dim |
 
+Installed by a ``SpatialParallel`` model that needs it, or for every op by :func:`sharded_mean`
+(:mod:`torch_tp.conv._registry`).
+
 DTensor's own rule for ``mean`` over a sharded dim gives ``Partial(avg)`` (the mean of the
 ranks' means) only when the shards are even; on uneven strips (width 18 on 4 ranks: 5, 5, 5, 3)
 it all-gathers the whole input first, on every rank, in every squeeze-excite block. Here the
@@ -13,10 +16,6 @@ locally to ``Partial(sum)``; dividing by the global count keeps it partial. So t
 sends nothing (the ``Partial`` is reduced where its value is needed, one all-reduce of the
 small result), whatever the strips. Floating-point half types accumulate in float32, as
 aten's ``mean`` does. The backward is autograd's formula for ``mean``, unchanged.
-
-Nothing is installed on import: :func:`install` / :func:`uninstall` / :func:`sharded_mean`
-(and :class:`~torch_tp.conv.SpatialParallel` on a model, which installs it with the other
-region handlers).
 
 Example::
 
@@ -37,12 +36,13 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from torch_tp.conv._handler_table import HandlerTable
-from torch_tp.conv.sharded_conv import _bind
+from torch_tp.conv._core import bind
+from torch_tp.conv._registry import HandlerSet
 
 __all__ = ["install", "is_installed", "mean_handler", "sharded_mean", "uninstall"]
 
 aten = torch.ops.aten
+HANDLERS = HandlerSet("torch_tp.conv.global_mean")
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -59,6 +59,7 @@ def _reduced_dims(ndim: int, dim: Optional[Sequence[int]]) -> list[int]:
     return [d % ndim for d in dim]
 
 
+@HANDLERS.implements(aten.mean.dim, aten.mean.default)
 def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.mean.dim`` (``args`` = ``(input, dim, keepdim=False, dtype=None)``)
     and ``aten.mean.default`` (``(input,)``, ``dtype`` a keyword).
@@ -76,7 +77,7 @@ def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     if op_call is aten.mean.default:  # mean(input, *, dtype=None): every dim
         (x,), dim, keepdim, dtype = args, None, False, (kwargs or {}).get("dtype")
     else:
-        x, dim, keepdim, dtype = _bind(args, kwargs, ("input", "dim", "keepdim", "dtype"))
+        x, dim, keepdim, dtype = bind(args, kwargs, ("input", "dim", "keepdim", "dtype"))
     out_dtype = dtype or x.dtype
     if not (out_dtype.is_floating_point or out_dtype.is_complex):
         torch.zeros(1, dtype=out_dtype).mean(0)  # raises aten's own error (its text), on every rank
@@ -92,5 +93,4 @@ def mean_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.global_mean", {aten.mean.dim: mean_handler, aten.mean.default: mean_handler})
-install, uninstall, is_installed, sharded_mean = _TABLE.public_functions("sharded_mean", "mean")
+install, uninstall, is_installed, sharded_mean = HANDLERS.public_functions("sharded_mean", "mean")

@@ -10,12 +10,15 @@ so the spatial part crosses ranks; the handlers compute them exactly as one proc
 | --- | --- | --- |
 | ``native_group_norm.default`` | ``nn.GroupNorm``, ``F.group_norm`` | handler: statistics, 1 ``all_gather`` |
 | ``native_group_norm_backward.default`` | autograd of the above | handler: group sums, 1 ``all_reduce`` |
-| ``native_layer_norm.default`` | ``LayerNorm2d``, ``F.layer_norm`` over C | DTensor's rule, empty shards allowed |
-| ``native_layer_norm_backward.default`` | autograd of the above | DTensor's rule, empty shards allowed |
+| ``native_layer_norm.default`` | ``LayerNorm2d``, ``F.layer_norm`` over C | handler: the local kernel, empty shards kept |
+| ``native_layer_norm_backward.default`` | autograd of the above | handler: the local kernel, ``Partial`` weight grads |
+
+Installed by a ``SpatialParallel`` model that needs it, or for every op by
+:func:`sharded_group_norm` (:mod:`torch_tp.conv._registry`).
 
 Forward: each rank's count, mean and centred sum of squares per (sample, group) of its
 strip, one ``all_gather`` of them per spatially sharded mesh dim and Chan's parallel merge
-in float64 (:func:`torch_tp.conv.batch_norm._merge_moments`, so no variance comes from a
+in float64 (:func:`torch_tp.conv._core.merge_moments`, so no variance comes from a
 difference of large sums); each rank normalizes its own strip. Backward: one ``all_reduce``
 of the per-(sample, group) sums of ``dy * w`` and ``dy * w * (x - mean)``, then the local
 elementwise formula. A mesh dim sharding the batch needs no communication (samples are
@@ -31,19 +34,14 @@ Channel LayerNorm (ConvNeXt / timm ``LayerNorm2d``: ``permute(0, 2, 3, 1)`` →
 the channels-first form written with ``x.mean(1, keepdim=True)``) normalizes over C alone,
 which no rank shares with another: DTensor already runs it locally, keeps the shard through
 the permutes and returns ``Partial`` weight and bias gradients. Its one gap in torch 2.13:
-the layer-norm rules are registered with ``allow_uneven_sharding=False``, so a sharded dim
-smaller than the mesh (a rank holding nothing, e.g. height 3 on 4 ranks) makes DTensor
-all-gather the input and return ``Replicate()``. :func:`install` sets that flag on the two
-layer-norm rules (the rule only shards dims in front of the normalized ones, which is
-exact for any shard sizes) and :func:`uninstall` restores the original rule objects. The
-channels-first form needs nothing (``mean.dim`` over C and pointwise ops).
+the layer-norm rules refuse a sharded dim smaller than the mesh (a rank holding nothing, e.g.
+height 3 on 4 ranks), so DTensor all-gathers the input and returns ``Replicate()``. The
+layer-norm handlers run the local kernel whenever only dims in front of the normalized ones
+are sharded (exact for any shard sizes) and leave every other layout to DTensor's rule
+(:class:`~torch_tp.conv._registry.Decline`). The channels-first form needs nothing
+(``mean.dim`` over C and pointwise ops).
 
-Nothing is installed on import: use :func:`install` / :func:`uninstall` or
-:func:`sharded_group_norm`, which restore exactly the entries that were there before.
-Private torch APIs used: ``DTensor._op_dispatcher._custom_op_handlers`` (as the other
-handlers), ``sharding_propagator.op_single_dim_strategy_funcs`` and its
-``_SingleDimStrategyInfo.allow_uneven_sharding`` field, and
-``torch.distributed.tensor.debug._clear_sharding_prop_cache``.
+Private torch API used: ``DTensor._op_dispatcher._custom_op_handlers`` (through the registry).
 
 Example::
 
@@ -59,17 +57,17 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torch_tp.conv._handler_table import HandlerTable
-from torch_tp.conv.batch_norm import _merge_moments
-from torch_tp.conv.sharded_conv import _bind, _wrap
+from torch_tp.conv._core import bind, check_replicated, compute_dtype, local, merge_moments, \
+    partial_where_sharded, spatial_layout, wrap
+from torch_tp.conv._registry import Decline, HandlerSet
 
 __all__ = [
     "group_norm_backward_handler",
@@ -81,6 +79,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+HANDLERS = HandlerSet("torch_tp.conv.group_norm", serves=(nn.GroupNorm,))
 
 _FORWARD_ARGS = ("input", "weight", "bias", "N", "C", "HxW", "group", "eps")
 _BACKWARD_ARGS = ("grad_out", "input", "mean", "rstd", "weight", "N", "C", "HxW", "group", "output_mask")
@@ -109,66 +108,34 @@ class _Layout:
 
     def reduced_placements(self) -> list:
         """Placements of a per-channel sum over the local strip: ``Partial`` where sharded."""
-        return [Partial() if i in self.sharded_mesh_dims else Replicate() for i in range(self.mesh.ndim)]
+        return partial_where_sharded(self.placements)
+
+
+_WHAT = "sharded group norm"
 
 
 def _layout(x: Any, groups: int, tensors: dict[str, Any]) -> _Layout:
-    if not isinstance(x, DTensor):
-        raise NotImplementedError(
-            f"sharded group norm needs the input as a DTensor, got a plain {type(x).__name__}"
-        )
-    if x.ndim < 2:
-        raise NotImplementedError(f"sharded group norm needs an (N, C, ...) input, got {x.ndim} dims")
+    parsed = spatial_layout(x, _WHAT)
     channels = x.shape[1]
     if groups <= 0 or channels % groups:
-        raise ValueError(f"sharded group norm: {channels} channels do not split into {groups} groups")
-    spatial, sharded = [], []
-    for mesh_dim, p in enumerate(x.placements):
-        if isinstance(p, Replicate):
-            continue
-        if type(p) is not Shard:
-            raise NotImplementedError(
-                f"sharded group norm supports Replicate(), Shard(0) (batch) and Shard(d) on spatial "
-                f"dims; mesh dim {mesh_dim} of the input is {p}"
-            )
-        d = p.dim % x.ndim
-        if d == 1:
-            raise NotImplementedError(
-                f"sharded group norm cannot shard the channel dim (Shard(1) on mesh dim {mesh_dim}); "
-                f"shard the batch (dim 0) or a spatial dim (2..{x.ndim - 1}) instead"
-            )
-        sharded.append(mesh_dim)
-        if d >= 2:
-            spatial.append(mesh_dim)
-    mesh = x.device_mesh
+        raise ValueError(f"{_WHAT}: {channels} channels do not split into {groups} groups")
     for name, t in tensors.items():
-        _check_on_mesh(t, mesh, name)
+        _check_on_mesh(t, parsed.mesh, name)
     count = x.numel() // (x.shape[0] * groups) if x.shape[0] else 0
-    return _Layout(mesh, tuple(x.placements), tuple(spatial), tuple(sharded), groups, count)
+    return _Layout(parsed.mesh, parsed.placements, parsed.spatial_mesh_dims, parsed.sharded_mesh_dims, groups, count)
 
 
 def _check_on_mesh(t: Any, mesh: Any, name: str) -> None:
     """Weight and bias: replicated DTensors (or None); mean and rstd: DTensors on the mesh."""
-    if t is None:
-        return
-    if not isinstance(t, DTensor):
-        what = "a replicated DTensor on the input's mesh (its gradient is one)" if name in ("weight", "bias") \
-            else "a DTensor on the input's mesh (as the forward handler returns it)"
-        raise NotImplementedError(f"sharded group norm needs the {name} as {what}, got a plain {type(t).__name__}")
-    if t.device_mesh != mesh:
-        raise ValueError(f"sharded group norm: the {name} lives on {t.device_mesh}, the input on {mesh}")
-    if name in ("weight", "bias") and not all(isinstance(p, Replicate) for p in t.placements):
+    if name in ("weight", "bias"):
+        check_replicated(t, mesh, name, _WHAT)
+    elif not isinstance(t, DTensor):
         raise NotImplementedError(
-            f"sharded group norm needs a replicated {name} (all Replicate()), got {t.placements}"
+            f"{_WHAT} needs the {name} as a DTensor on the input's mesh (as the forward handler returns it), "
+            f"got a plain {type(t).__name__}"
         )
-
-
-def _local(t: Any) -> Optional[torch.Tensor]:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    elif t.device_mesh != mesh:
+        raise ValueError(f"{_WHAT}: the {name} lives on {t.device_mesh}, the input on {mesh}")
 
 
 def _per_channel(per_group: torch.Tensor, channels: int) -> torch.Tensor:
@@ -196,7 +163,7 @@ def _local_moments(x_local: torch.Tensor, groups: int) -> torch.Tensor:
     row = x_local.new_zeros(1 + 2 * k, dtype=torch.float64)
     row[0] = n
     if n:
-        grouped = x_local.reshape(samples, groups, n).to(_compute_dtype(x_local.dtype))
+        grouped = x_local.reshape(samples, groups, n).to(compute_dtype(x_local.dtype))
         var, mean = torch.var_mean(grouped, dim=2, correction=0)
         row[1:1 + k] = mean.flatten()
         row[1 + k:] = var.double().flatten() * n
@@ -210,7 +177,7 @@ def _global_moments(x_local: torch.Tensor, layout: _Layout) -> tuple[torch.Tenso
     for mesh_dim in layout.spatial_mesh_dims:
         rows = [torch.empty_like(row) for _ in range(layout.mesh.size(mesh_dim))]
         dist.all_gather(rows, row, group=layout.mesh.get_group(mesh_dim))
-        row = _merge_moments(torch.stack(rows))
+        row = merge_moments(torch.stack(rows))
     k = (row.numel() - 1) // 2
     shape = (x_local.shape[0], layout.groups)
     return row[1:1 + k].reshape(shape), row[1 + k:].reshape(shape)
@@ -228,6 +195,7 @@ def _all_reduce_sum(t: torch.Tensor, layout: _Layout) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+@HANDLERS.implements(aten.native_group_norm.default)
 def group_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.native_group_norm.default`` with a sharded input.
 
@@ -250,19 +218,19 @@ def group_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         >>> out.placements, out.to_local().shape, mean.shape, mean.placements  # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 6, 4, 1]), torch.Size([2, 3]), (Replicate(),))
     """
-    x, weight, bias, _, _, _, groups, eps = _bind(args, kwargs, _FORWARD_ARGS)
+    x, weight, bias, _, _, _, groups, eps = bind(args, kwargs, _FORWARD_ARGS)
     layout = _layout(x, groups, {"weight": weight, "bias": bias})
     x_local = x.to_local()
     mean, m2 = _global_moments(x_local, layout)
     rstd = torch.rsqrt(m2 / max(layout.count, 1) + eps)
-    out = _normalize(x_local, mean, rstd, _local(weight), _local(bias))
+    out = _normalize(x_local, mean, rstd, local(weight), local(bias))
     dtype = weight.dtype if weight is not None else x.dtype
     stats = layout.stats_placements()
     stats_shape = (x.shape[0], groups)
     return (
-        _wrap(out, layout.mesh, layout.placements, x.shape),
-        _wrap(mean.to(dtype), layout.mesh, stats, stats_shape),
-        _wrap(rstd.to(dtype), layout.mesh, stats, stats_shape),
+        wrap(out, layout.mesh, layout.placements, x.shape),
+        wrap(mean.to(dtype), layout.mesh, stats, stats_shape),
+        wrap(rstd.to(dtype), layout.mesh, stats, stats_shape),
     )
 
 
@@ -277,12 +245,13 @@ def _normalize(x_local: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, we
     beta = -_per_channel(mean, channels) * alpha
     if bias is not None:
         beta = beta + bias.double()
-    dtype = _compute_dtype(x_local.dtype)
+    dtype = compute_dtype(x_local.dtype)
     shape = _broadcast_shape(x_local)
     out = torch.addcmul(beta.to(dtype).view(shape), x_local.to(dtype), alpha.to(dtype).view(shape))
     return out.to(x_local.dtype)
 
 
+@HANDLERS.implements(aten.native_group_norm_backward.default)
 def group_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.native_group_norm_backward.default`` (whole-image statistics).
 
@@ -300,7 +269,7 @@ def group_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tupl
         >>> gi.placements, gw.placements, gb.placements
         ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
     """
-    grad_out, x, mean, rstd, weight, _, _, _, groups, output_mask = _bind(args, kwargs, _BACKWARD_ARGS)
+    grad_out, x, mean, rstd, weight, _, _, _, groups, output_mask = bind(args, kwargs, _BACKWARD_ARGS)
     layout = _layout(x, groups, {"weight": weight, "mean": mean, "rstd": rstd})
     if not isinstance(grad_out, DTensor):
         raise NotImplementedError("sharded group norm backward needs grad_out as a DTensor")
@@ -310,13 +279,13 @@ def group_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tupl
     mean, rstd = (t.redistribute(layout.mesh, stats) if list(t.placements) != stats else t for t in (mean, rstd))
     mask = list(output_mask)
     gi, gw, gb = _backward(grad_out.to_local(), x.to_local(), mean.to_local(), rstd.to_local(),
-                           _local(weight), layout, mask)
+                           local(weight), layout, mask)
     reduced = layout.reduced_placements()
     channels = (x.shape[1],)
     return (
-        _wrap(gi, layout.mesh, layout.placements, x.shape) if mask[0] else None,
-        _wrap(gw, layout.mesh, reduced, channels) if mask[1] else None,
-        _wrap(gb, layout.mesh, reduced, channels) if mask[2] else None,
+        wrap(gi, layout.mesh, layout.placements, x.shape) if mask[0] else None,
+        wrap(gw, layout.mesh, reduced, channels) if mask[1] else None,
+        wrap(gb, layout.mesh, reduced, channels) if mask[2] else None,
     )
 
 
@@ -331,7 +300,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch
     local strip: ``Partial``).
     """
     samples, channels = x.shape[:2]
-    dtype = _compute_dtype(x.dtype)
+    dtype = compute_dtype(x.dtype)
     shape = _broadcast_shape(x)
     spatial = tuple(range(2, x.ndim))
     mean_c, rstd_c = _per_channel(mean.double(), channels), _per_channel(rstd.double(), channels)
@@ -362,108 +331,79 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.group_norm", {
-    aten.native_group_norm.default: group_norm_handler,
-    aten.native_group_norm_backward.default: group_norm_backward_handler,
-})
-_UNEVEN_LAYER_NORM_OPS = (aten.native_layer_norm.default, aten.native_layer_norm_backward.default)
-_SAVED_RULES: list[dict] = []  # one entry per install(): the layer-norm strategy infos it replaced
+# Channel LayerNorm (ConvNeXt's LayerNorm2d) normalizes over C alone, which no rank shares with
+# another: each rank runs it on its strip. DTensor does too, but in torch 2.13 its layer-norm rules
+# refuse a sharded dim smaller than the mesh (an empty rank) and all-gather.
 
 
-def _strategies() -> dict:
-    return DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+def _layer_norm_layout(x: Any, axis: int, tensors: dict[str, Any]) -> Any:
+    """The input's layout when only dims in front of the normalized ones are sharded, else :class:`Decline`."""
+    if not isinstance(x, DTensor) or any(type(p) not in (Replicate, Shard) for p in x.placements):
+        raise Decline
+    if any(isinstance(p, Shard) and p.dim % x.ndim >= axis for p in x.placements):
+        raise Decline
+    for t in tensors.values():
+        if t is not None and (not isinstance(t, DTensor) or t.device_mesh != x.device_mesh
+                              or not all(isinstance(p, Replicate) for p in t.placements)):
+            raise Decline
+    return x.device_mesh, tuple(x.placements)
 
 
-def _clear_sharding_caches() -> None:
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+@HANDLERS.implements(aten.native_layer_norm.default)
+def layer_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
+    """DTensor handler for ``aten.native_layer_norm.default`` on an input sharded in front of the
+    normalized dims (a channel LayerNorm on spatial strips, some of them empty): the local kernel.
 
-    _clear_sharding_prop_cache()
-
-
-def _layer_norm_allows_empty_shards() -> bool:
-    rules = _strategies()  # an op without a single-dim rule (another torch) has nothing to allow
-    return all(getattr(rules.get(op), "allow_uneven_sharding", True) for op in _UNEVEN_LAYER_NORM_OPS)
-
-
-def install() -> None:
-    """Put the sharded group-norm handlers into DTensor's custom op handler table and let
-    DTensor's layer-norm rules keep shards that are empty on some ranks.
-
-    Nests: each :func:`install` remembers the entries it replaced, and the matching
-    :func:`uninstall` puts exactly those back.
+    Returns ``(out, mean, rstd)``, each with the input's placements. Any other layout goes to
+    DTensor's own rule.
 
     Example:
-        >>> from torch_tp.conv import group_norm
-        >>> group_norm.install()
-        >>> group_norm.is_installed()
-        True
-        >>> group_norm.uninstall()
-        >>> group_norm.is_installed()
-        False
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> x = distribute_tensor(torch.randn(2, 3, 8), mesh, [Shard(1)])     # height 3 on 4 ranks
+        >>> out, mean, rstd = layer_norm_handler(aten.native_layer_norm.default, (x, [8], None, None, 1e-5), {})
+        >>> out.placements, mean.shape
+        ((Shard(dim=1),), torch.Size([2, 3, 1]))
     """
-    _TABLE.install()
-    strategies = _strategies()
-    _SAVED_RULES.append({op: strategies[op] for op in _UNEVEN_LAYER_NORM_OPS if op in strategies})
-    for op in _UNEVEN_LAYER_NORM_OPS:
-        info = strategies.get(op)
-        if info is not None and not info.allow_uneven_sharding:
-            strategies[op] = dataclasses.replace(info, allow_uneven_sharding=True)
-    _clear_sharding_caches()
+    x, normalized_shape, weight, bias, eps = bind(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
+    axis = x.ndim - len(normalized_shape)
+    mesh, placements = _layer_norm_layout(x, axis, {"weight": weight, "bias": bias})
+    out, mean, rstd = op_call(x.to_local(), normalized_shape, local(weight), local(bias), eps)
+    stats_shape = (*x.shape[:axis], *[1] * len(normalized_shape))
+    return (wrap(out, mesh, placements, x.shape), wrap(mean, mesh, placements, stats_shape),
+            wrap(rstd, mesh, placements, stats_shape))
 
 
-def uninstall() -> None:
-    """Restore the entries the latest :func:`install` replaced (the identical objects).
-
-    Raises:
-        RuntimeError: no :func:`install` is outstanding.
+@HANDLERS.implements(aten.native_layer_norm_backward.default)
+def layer_norm_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
+    """DTensor handler for ``aten.native_layer_norm_backward.default`` (the adjoint of
+    :func:`layer_norm_handler`): the local kernel; weight and bias gradients ``Partial()``
+    over every mesh dim the input is sharded on.
 
     Example:
-        >>> import torch
-        >>> from torch.distributed.tensor import DTensor
-        >>> from torch_tp.conv import group_norm
-        >>> rules = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
-        >>> op = torch.ops.aten.native_layer_norm.default
-        >>> before = rules[op]
-        >>> group_norm.install(); group_norm.uninstall()
-        >>> rules[op] is before
-        True
+        >>> # xdoctest: +SKIP("needs a process group; autograd calls it")
+        >>> gi, gw, gb = layer_norm_backward_handler(aten.native_layer_norm_backward.default,
+        ...                                          (dy, x, [8], mean, rstd, w, b, [True, True, True]), {})
+        >>> gw.placements
+        (Partial(sum),)
     """
-    _TABLE.uninstall()
-    _strategies().update(_SAVED_RULES.pop())
-    _clear_sharding_caches()
+    grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask = bind(
+        args, kwargs, ("grad_out", "input", "normalized_shape", "mean", "rstd", "weight", "bias", "output_mask"))
+    axis = x.ndim - len(normalized_shape)
+    mesh, placements = _layer_norm_layout(x, axis, {"weight": weight, "bias": bias})
+    if not all(isinstance(t, DTensor) for t in (grad_out, mean, rstd)):
+        raise Decline
+    grad_out, mean, rstd = (t if tuple(t.placements) == placements else t.redistribute(mesh, placements)
+                            for t in (grad_out, mean, rstd))
+    gi, gw, gb = op_call(grad_out.to_local(), x.to_local(), normalized_shape, mean.to_local(), rstd.to_local(),
+                         local(weight), local(bias), output_mask)
+    reduced = partial_where_sharded(placements)
+    return (wrap(gi, mesh, placements, x.shape) if gi is not None else None,
+            wrap(gw, mesh, reduced, gw.shape) if gw is not None else None,
+            wrap(gb, mesh, reduced, gb.shape) if gb is not None else None)
 
 
-def is_installed() -> bool:
-    """Whether DTensor's table maps both group-norm ops to these handlers (and the layer-norm
-    rules accept empty shards).
+# --------------------------------------------------------------------------------------------
+# Installation
+# --------------------------------------------------------------------------------------------
 
-    Example:
-        >>> from torch_tp.conv.group_norm import is_installed, sharded_group_norm
-        >>> with sharded_group_norm():
-        ...     print(is_installed())
-        True
-        >>> is_installed()
-        False
-    """
-    return _TABLE.is_installed() and _layer_norm_allows_empty_shards()
-
-
-@contextlib.contextmanager
-def sharded_group_norm() -> Iterator[None]:
-    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv.group_norm import is_installed, sharded_group_norm
-        >>> try:
-        ...     with sharded_group_norm():
-        ...         raise KeyError("boom")
-        ... except KeyError:
-        ...     pass
-        >>> is_installed()
-        False
-    """
-    install()
-    try:
-        yield
-    finally:
-        uninstall()
+install, uninstall, is_installed, sharded_group_norm = HANDLERS.public_functions("sharded_group_norm", "group norm")

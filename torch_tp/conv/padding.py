@@ -4,6 +4,9 @@
 | --- | --- | --- |
 | ``constant_pad_nd.default`` | ``F.pad(mode="constant")``, ``nn.ZeroPad*d`` / ``nn.ConstantPad*d``, a convolution with ``padding="same"`` and an even kernel (and its backward: the same op with the pads negated) | :func:`constant_pad_handler` |
 
+Installed by a ``SpatialParallel`` model that needs it, or for every op by :func:`sharded_padding`
+(:mod:`torch_tp.conv._registry`).
+
 Padding a dim that is ``Shard(d)`` moves the ``torch.chunk`` boundaries: width 16 on 2 ranks
 is strips ``[0, 8)``, ``[8, 16)``; padded by ``(0, 1)`` it is 17 wide and the strips are
 ``[0, 9)``, ``[9, 17)``, so rank 0 needs one column of rank 1's. DTensor's own rule for the op
@@ -18,9 +21,6 @@ one extra column on the right (this op), then convolves with symmetric padding (
 handler of :mod:`torch_tp.conv.sharded_conv`). timm's TF-"same" convolutions (``F.pad`` with
 computed pads) and ``nn.ZeroPad2d`` go the same way. Reflection and replication padding are
 other ops and keep DTensor's behaviour.
-
-Nothing is installed on import: :func:`install` / :func:`uninstall` / :func:`sharded_padding`
-(and :class:`~torch_tp.conv.SpatialParallel`, which installs it with the convolution handlers).
 
 Example::
 
@@ -38,17 +38,20 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torch_tp._layouts import shard_bounds
-from torch_tp.conv._handler_table import HandlerTable
+from torch_tp.conv._core import bind, without_partials, wrap
 from torch_tp.conv._ranges import _gather, _ranges
-from torch_tp.conv.sharded_conv import _bind, _wrap
+from torch_tp.conv._registry import HandlerSet
 
 __all__ = ["constant_pad_handler", "install", "is_installed", "sharded_padding", "uninstall"]
 
 aten = torch.ops.aten
+# an even kernel's padding="same" pads the strip before the convolution: keep it sharded
+HANDLERS = HandlerSet("torch_tp.conv.padding", serves=(nn.Conv1d, nn.Conv2d, nn.Conv3d))
 
 
 def _pads_per_dim(ndim: int, pad: Sequence[int]) -> dict[int, tuple[int, int]]:
@@ -81,14 +84,6 @@ def _check_placements(x: DTensor, padded: list[int]) -> None:
             )
 
 
-def _without_partials(x: DTensor, value: float) -> DTensor:
-    """``x`` with ``Partial`` reduced when the pad adds a non-zero constant (each rank's partial
-    would add it once more); zeros pad a partial sum exactly."""
-    if value == 0 or not any(isinstance(p, Partial) for p in x.placements):
-        return x
-    return x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in x.placements])
-
-
 def _repad_sharded_dim(local: torch.Tensor, x: DTensor, d: int, mesh_dim: int, pads: tuple[int, int],
                        value: float) -> torch.Tensor:
     """This rank's strip of the padded dim ``d``: the original positions it covers, gathered from
@@ -107,6 +102,7 @@ def _repad_sharded_dim(local: torch.Tensor, x: DTensor, d: int, mesh_dim: int, p
     return F.pad(strip, [0, 0] * (strip.ndim - 1 - d) + [before, after], value=value)
 
 
+@HANDLERS.implements(aten.constant_pad_nd.default)
 def constant_pad_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.constant_pad_nd.default``: ``args`` = ``(input, pad, value)``.
 
@@ -124,11 +120,12 @@ def constant_pad_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         >>> y.shape, y.to_local().shape                                      # rank 0: 9 columns
         (torch.Size([1, 2, 4, 17]), torch.Size([1, 2, 4, 9]))
     """
-    x, pad, value = _bind(args, kwargs, ("input", "pad", "value"))
+    x, pad, value = bind(args, kwargs, ("input", "pad", "value"))
     value = 0 if value is None else value
     pads = {d: lr for d, lr in _pads_per_dim(x.ndim, pad).items() if lr != (0, 0)}
     _check_placements(x, list(pads))
-    x = _without_partials(x, value)
+    if value != 0:  # each rank's partial would add a non-zero constant once more; zeros pad a sum exactly
+        x = without_partials(x)
     local, sharded = x.to_local(), {}
     local_pad = list(pad)
     for d, lr in pads.items():
@@ -144,12 +141,11 @@ def constant_pad_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     out_shape = list(x.shape)
     for d, (left, right) in pads.items():
         out_shape[d] += left + right
-    return _wrap(local, x.device_mesh, x.placements, out_shape)
+    return wrap(local, x.device_mesh, x.placements, out_shape)
 
 
 # --------------------------------------------------------------------------------------------
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.padding", {aten.constant_pad_nd.default: constant_pad_handler})
-install, uninstall, is_installed, sharded_padding = _TABLE.public_functions("sharded_padding", "constant padding")
+install, uninstall, is_installed, sharded_padding = HANDLERS.public_functions("sharded_padding", "constant padding")

@@ -26,13 +26,15 @@ a sharded dim smaller than the mesh (a rank holding nothing), so it all-gathers:
 | ``_prelu_kernel.default`` | ``nn.PReLU`` (weight viewed ``(C, 1, 1)``) | local; ``Replicate()`` when a rank is empty |
 | ``_prelu_kernel_backward.default`` | autograd of the above | fails: no sharding strategy |
 
-:func:`register` gives each of them DTensor's own pointwise rule, the one its built-in
-pointwise ops use: every tensor argument follows the output's placement on the dims they
-share (broadcast dims, such as PReLU's per-channel weight, stay replicated), uneven and
-empty shards allowed, no ``Partial`` passed through (these functions are not linear). A
-backward op such as ``hardswish_backward(grad, self)`` takes two tensors with the same
-placement; if they differ, DTensor redistributes the cheaper one. An op that DTensor already
-has a rule for is left alone, so a later torch that adds one keeps its own.
+Installed by a ``SpatialParallel`` model that needs it, or for every op by
+:func:`sharded_pointwise` (:mod:`torch_tp.conv._registry`).
+
+:func:`pointwise_handler` runs each of them as DTensor's own pointwise rule would: every
+tensor argument follows the placements of the largest one on the dims they share (broadcast
+dims, such as PReLU's per-channel weight, stay replicated), uneven and empty shards allowed,
+no ``Partial`` passed through (these functions are not linear); the op runs on the local
+strips and its outputs keep the placements. An op that DTensor has a rule for itself (a later
+torch) is left to DTensor (:class:`~torch_tp.conv._registry.Decline`).
 
 Squeeze-excite (``x.mean((2, 3), keepdim=True)`` → 1x1 conv → act → gate → ``x * s``) needs
 nothing more: the mean of an evenly sharded input is ``Partial(avg)`` (DTensor all-gathers an
@@ -45,21 +47,11 @@ shard by replicating); its values are right.
 ``nn.LogSigmoid`` is not covered: its ``log_sigmoid_forward`` returns a buffer that is the
 input's shape on CPU but empty on CUDA, which no one pointwise rule fits.
 
-Private torch API used: ``torch.distributed.tensor._ops._pointwise_ops._register_single_dim_pointwise``
-(how DTensor registers its own pointwise ops), the propagator's
-``op_single_dim_strategy_funcs`` / ``op_to_schema_info_for_single_dim_strategy`` tables (to
-undo a registration), and ``torch.distributed.tensor.debug._clear_sharding_prop_cache``. The
-public ``torch.distributed.tensor.experimental.register_sharding`` was not used: its rules
-refuse a sharded dim smaller than the mesh, the empty-rank case above.
-
-Nothing is registered on import: call :func:`register` (idempotent) or use
-:func:`sharded_pointwise`.
-
 Example::
 
     >>> # xdoctest: +SKIP("needs a process group")
     >>> from torch_tp.conv import pointwise
-    >>> pointwise.register()
+    >>> pointwise.install()
     >>> x = distribute_tensor(image, mesh, [Shard(3)]).requires_grad_()   # width-sharded NCHW
     >>> y = nn.Hardswish()(x)                                             # y.placements == (Shard(3),)
     >>> y.sum().backward()                                                # local hardswish_backward
@@ -67,17 +59,20 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["POINTWISE_OPS", "is_registered", "register", "registered_ops", "sharded_pointwise", "unregister"]
+from torch_tp.conv._core import without_partials, wrap
+from torch_tp.conv._registry import Decline, HandlerSet
+
+__all__ = ["POINTWISE_OPS", "install", "is_installed", "pointwise_handler", "sharded_pointwise", "uninstall"]
 
 aten = torch.ops.aten
 
-#: The ops :func:`register` gives DTensor's pointwise rule, where DTensor has none.
+#: The ops :func:`pointwise_handler` serves where DTensor has no rule of its own.
 POINTWISE_OPS = (
     aten.hardswish.default,
     aten.hardswish_.default,
@@ -93,117 +88,68 @@ POINTWISE_OPS = (
     aten._prelu_kernel.default,
     aten._prelu_kernel_backward.default,
 )
-
-_REGISTERED: list = []  # the ops the current registration added, in order
-
-
-def _propagator():
-    return DTensor._op_dispatcher.sharding_propagator
+_ACTIVATIONS = (nn.Hardswish, nn.Hardsigmoid, nn.ReLU6, nn.Hardtanh, nn.Hardshrink, nn.Softshrink, nn.Mish,
+                nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU, nn.Softplus, nn.PReLU)
+HANDLERS = HandlerSet("torch_tp.conv.pointwise", serves=_ACTIVATIONS)
 
 
-def _has_rule(op) -> bool:
-    prop = _propagator()
+def _has_dtensor_rule(op: Any) -> bool:
+    prop = DTensor._op_dispatcher.sharding_propagator
     return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs or op in prop.op_to_rules
 
 
-def _clear_sharding_caches() -> None:
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
+_DTENSOR_HAS_RULE = frozenset(op for op in POINTWISE_OPS if _has_dtensor_rule(op))
 
 
-def register() -> None:
-    """Give every op of :data:`POINTWISE_OPS` that DTensor has no rule for DTensor's pointwise rule.
-
-    Idempotent: a second call changes nothing. Clears DTensor's sharding-propagation caches,
-    so rules derived earlier from decompositions are not reused.
-
-    Raises:
-        RuntimeError: this torch has no ``_register_single_dim_pointwise`` (the private
-            helper moved); the message names the torch version.
-
-    Example:
-        >>> from torch_tp.conv import pointwise
-        >>> pointwise.register(); pointwise.register()
-        >>> pointwise.is_registered()
-        True
-        >>> pointwise.unregister()
-    """
-    if _REGISTERED:
-        return
-    try:
-        from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
-    except ImportError as err:  # pragma: no cover - depends on the torch version
-        raise RuntimeError(
-            f"torch_tp.conv.pointwise needs torch.distributed.tensor._ops._pointwise_ops."
-            f"_register_single_dim_pointwise (torch 2.13); torch {torch.__version__} has none"
-        ) from err
-    for op in POINTWISE_OPS:
-        if not _has_rule(op):
-            _register_single_dim_pointwise(op)
-            _REGISTERED.append(op)
-    _clear_sharding_caches()
+def _following(t: DTensor, ref: DTensor) -> list:
+    """Placements for ``t`` that follow ``ref``'s on the dims they share (right-aligned, as
+    broadcasting does); a dim ``t`` broadcasts stays replicated."""
+    placements = []
+    for p in ref.placements:
+        d = p.dim % ref.ndim - (ref.ndim - t.ndim) if isinstance(p, Shard) else -1
+        shares = d >= 0 and t.shape[d] == ref.shape[p.dim % ref.ndim]
+        placements.append(Shard(d) if shares else Replicate())
+    return placements
 
 
-def unregister() -> None:
-    """Remove the rules :func:`register` added (DTensor's own rules are never touched).
+def _local_following(t: Any, ref: DTensor) -> Any:
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh != ref.device_mesh:
+        raise Decline
+    placements = _following(t, ref)
+    return (t if list(t.placements) == placements else t.redistribute(ref.device_mesh, placements)).to_local()
+
+
+@HANDLERS.implements(*POINTWISE_OPS)
+def pointwise_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor handler for the ops of :data:`POINTWISE_OPS` (an element-wise function and its backward).
+
+    The largest tensor argument (``Partial`` reduced first) sets the placements; the others
+    follow it on the dims they share; the op runs on the local strips and every output (all
+    of that argument's shape) keeps its placements. In-place forms update the input's strip.
 
     Example:
-        >>> import torch
-        >>> from torch_tp.conv import pointwise
-        >>> op = torch.ops.aten.hardswish_backward.default
-        >>> pointwise.register(); pointwise.unregister()
-        >>> op in pointwise.registered_ops()
-        False
+        >>> # xdoctest: +SKIP("needs a process group; a spatial model or install() routes the ops here")
+        >>> gi = pointwise_handler(aten.hardswish_backward.default, (dy, x), {})   # both Shard(3)
+        >>> gi.placements
+        (Shard(dim=3),)
     """
-    prop = _propagator()
-    while _REGISTERED:
-        op = _REGISTERED.pop()
-        prop.op_single_dim_strategy_funcs.pop(op, None)
-        prop.op_to_schema_info_for_single_dim_strategy.pop(op, None)
-    _clear_sharding_caches()
+    if op_call in _DTENSOR_HAS_RULE:
+        raise Decline
+    tensors = [a for a in args if isinstance(a, DTensor)]
+    ref = max(tensors, key=lambda t: t.ndim)
+    inplace = op_call is aten.hardswish_.default
+    if inplace and any(p.is_partial() for p in ref.placements):
+        raise Decline  # DTensor refuses an in-place op on a partial sum with its own message
+    ref = without_partials(ref)
+    outs = op_call(*(ref.to_local() if a is ref or (a is args[0] and inplace) else _local_following(a, ref)
+                     for a in args), **(kwargs or {}))
+    if inplace:
+        return args[0]
+    if isinstance(outs, tuple):
+        return tuple(wrap(o, ref.device_mesh, ref.placements, ref.shape) for o in outs)
+    return wrap(outs, ref.device_mesh, ref.placements, ref.shape)
 
 
-def registered_ops() -> tuple:
-    """The ops the current :func:`register` added (empty when not registered).
-
-    Example:
-        >>> from torch_tp.conv import pointwise
-        >>> with pointwise.sharded_pointwise():
-        ...     print("aten.hardswish_backward.default" in map(str, pointwise.registered_ops()))
-        True
-    """
-    return tuple(_REGISTERED)
-
-
-def is_registered() -> bool:
-    """Whether every op of :data:`POINTWISE_OPS` has a rule now (ours or DTensor's own).
-
-    Example:
-        >>> from torch_tp.conv import pointwise
-        >>> with pointwise.sharded_pointwise():
-        ...     print(pointwise.is_registered())
-        True
-    """
-    return all(_has_rule(op) for op in POINTWISE_OPS)
-
-
-@contextlib.contextmanager
-def sharded_pointwise() -> Iterator[None]:
-    """Context manager: :func:`register` on entry and, if it was not registered before,
-    :func:`unregister` on exit (also on exceptions).
-
-    Example:
-        >>> from torch_tp.conv import pointwise
-        >>> with pointwise.sharded_pointwise():
-        ...     pass
-        >>> pointwise.registered_ops()
-        ()
-    """
-    was_registered = bool(_REGISTERED)
-    register()
-    try:
-        yield
-    finally:
-        if not was_registered:
-            unregister()
+install, uninstall, is_installed, sharded_pointwise = HANDLERS.public_functions("sharded_pointwise", "pointwise")

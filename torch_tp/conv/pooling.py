@@ -18,6 +18,9 @@ The backward sends the halo gradients back to their owners (the exact adjoint).
 | ``adaptive_max_pool{2,3}d_backward`` | autograd of the above | to the argmax's owner, no messages |
 | ``max_pool{1,2,3}d``, ``*_pool1d*`` | the modules in ``torch.inference_mode`` | decomposed into the above |
 
+Installed by a ``SpatialParallel`` model that needs it, or for every op by :func:`sharded_pooling`
+(:mod:`torch_tp.conv._registry`).
+
 With autograd on, the 1d pools reach the 2d ops through ``unsqueeze(-2)`` (``Shard(2)`` of
 ``(N, C, L)`` becomes ``Shard(3)`` of ``(N, C, 1, L)``); under ``torch.inference_mode`` the
 composite ops of the last row (``max_pool1d_with_indices``, ``avg_pool1d``,
@@ -43,10 +46,6 @@ Either output is ``Replicate()`` on that mesh dim. Average pooling to size 1
 other adaptive averages (``_adaptive_avg_pool*d``) are left to DTensor, which gathers the
 input for them.
 
-Nothing is installed on import: use :func:`install` / :func:`uninstall` or
-:func:`sharded_pooling`, which put these handlers into DTensor's custom op table and
-restore exactly the entries that were there before.
-
 Example::
 
     >>> # xdoctest: +SKIP("needs a process group")
@@ -65,13 +64,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from torch_tp._layouts import shard_bounds
+from torch_tp.conv._core import bind, expand, spatial_layout, without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, _chunk_windows
-from torch_tp.conv._handler_table import HandlerTable
 from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
-from torch_tp.conv.sharded_conv import _bind, _wrap
+from torch_tp.conv._registry import HandlerSet
 
 __all__ = [
     "adaptive_max_pool_backward_handler",
@@ -87,6 +86,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+HANDLERS = HandlerSet("torch_tp.conv.pooling")
 
 _MAX_ARGS = ("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _MAX_BACKWARD_ARGS = ("grad_output", "self", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
@@ -129,54 +129,20 @@ def _op(op_call: Any) -> tuple[int, str]:
 
 
 def _layout(x: Any, n_spatial: int, what: str) -> _Plan:
-    if not isinstance(x, DTensor):
-        raise NotImplementedError(f"sharded {what} needs the input as a DTensor, got a plain {type(x).__name__}")
-    first = x.ndim - n_spatial
-    if first not in (1, 2):
+    if isinstance(x, DTensor) and x.ndim - n_spatial not in (1, 2):
         raise NotImplementedError(f"sharded {what} needs a (C, ...) or (N, C, ...) input, got {x.ndim} dims")
-    placements, found = [], []
-    for mesh_dim, p in enumerate(x.placements):
-        if p.is_partial():
-            p = Replicate()
-        elif not isinstance(p, Replicate) and type(p) is not Shard:
-            raise NotImplementedError(
-                f"sharded {what} supports Replicate(), Partial, Shard on batch or channels and Shard(d) "
-                f"on one spatial dim; mesh dim {mesh_dim} of the input is {p}"
-            )
-        elif isinstance(p, Shard) and p.dim % x.ndim >= first:
-            found.append((p.dim % x.ndim, mesh_dim))
-        placements.append(p)
-    if len(found) > 1:
-        raise NotImplementedError(
-            f"sharded {what} supports the input sharded on one spatial dim over one mesh dim, got "
-            f"{x.placements} ((tensor dim, mesh dim) = {found})"
-        )
-    d, mesh_dim = found[0] if found else (None, None)
-    return _Plan(x.device_mesh, tuple(placements), d, mesh_dim, first)
-
-
-def _without_partials(x: DTensor, plan: _Plan) -> DTensor:
-    """``x`` with every ``Partial`` mesh dim reduced to ``Replicate`` (pooling is per element)."""
-    if tuple(x.placements) == plan.placements:
-        return x
-    return x.redistribute(plan.mesh, plan.placements)
-
-
-def _expand(values: Any, n: int, name: str, what: str) -> list[int]:
-    values = [values] if isinstance(values, int) else list(values)
-    if len(values) == 1:
-        return values * n
-    if len(values) != n:
-        raise ValueError(f"sharded {what}: {name} has {len(values)} entries for {n} spatial dims")
-    return values
+    first = x.ndim - n_spatial if isinstance(x, DTensor) else 2
+    parsed = spatial_layout(x, f"sharded {what}", first_spatial=first, channels=True, partials="reduce")
+    d, mesh_dim = parsed.one_spatial_dim(f"sharded {what}")
+    return _Plan(parsed.mesh, parsed.placements, d, mesh_dim, first)
 
 
 def _pool_params(n: int, kernel: Any, stride: Any, padding: Any, dilation: Any, what: str) -> tuple:
     """``(kernel, stride, padding, dilation)`` as lists of ``n``, with the schema's defaults."""
-    kernel = _expand(kernel, n, "kernel_size", what)
-    stride = _expand(stride, n, "stride", what) if stride else list(kernel)  # [] means the kernel
-    padding = _expand(0 if padding is None else padding, n, "padding", what)
-    return kernel, stride, padding, _expand(1 if dilation is None else dilation, n, "dilation", what)
+    kernel = expand(kernel, n, "kernel_size", f"sharded {what}")
+    stride = expand(stride, n, "stride", f"sharded {what}") if stride else list(kernel)  # [] means the kernel
+    padding = expand(0 if padding is None else padding, n, "padding", f"sharded {what}")
+    return kernel, stride, padding, expand(1 if dilation is None else dilation, n, "dilation", f"sharded {what}")
 
 
 def _pool_windows(in_size: int, num_ranks: int, out_total: int, *, kernel_size: int, stride: int,
@@ -272,7 +238,7 @@ def _redistributed(t: Any, plan: _Plan, placements: Sequence[Any], what: str) ->
 def _windowed_forward(x: Any, n: int, what: str, params: tuple, run: Any, fill: float) -> tuple:
     """``(plan, global out shape, run(local input, padding) or None)``: ``None`` for a rank
     that owns no output (it still exchanges); ``run`` calls the op with its other arguments."""
-    x = _without_partials(x, _layout(x, n, what))
+    x = without_partials(x)  # pooling is per element: reduce partial sums first
     meta = run(torch.empty(x.shape, dtype=x.dtype, device="meta"), params[2])  # torch's checks
     out_shape = (meta[0] if isinstance(meta, tuple) else meta).shape
     plan = _windowed_plan(x, n, params, out_shape, what)
@@ -296,15 +262,16 @@ def _windowed_backward(grad_out: Any, x: DTensor, n: int, what: str, params: tup
     plan = _windowed_plan(x, n, params, grad_out.shape, what)
     go, x_local = _redistributed(grad_out, plan, plan.placements, what), x.to_local()
     if plan.spatial_dim is None:
-        return _wrap(run(go, x_local, params[2], plan), plan.mesh, plan.placements, x.shape)
+        return wrap(run(go, x_local, params[2], plan), plan.mesh, plan.placements, x.shape)
     d, w = plan.spatial_dim, plan.window
     g_local = x_local.new_zeros(_with_size(x_local.shape, d, w.local_size))
     if w.out_size:
         g_local = run(go, g_local, plan.padding, plan)
     gi = _strip_grad_to_shard(g_local, plan, x_local.shape[d])
-    return _wrap(gi, plan.mesh, plan.placements, x.shape)
+    return wrap(gi, plan.mesh, plan.placements, x.shape)
 
 
+@HANDLERS.implements(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 def max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.max_pool{2,3}d_with_indices.default`` with a spatially sharded input.
 
@@ -323,7 +290,7 @@ def max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         >>> out.placements, out.shape, out.to_local().shape                       # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 3, 4, 6]), torch.Size([2, 3, 4, 0]))
     """
-    x, kernel, stride, padding, dilation, ceil_mode = _bind(args, kwargs, _MAX_ARGS)
+    x, kernel, stride, padding, dilation, ceil_mode = bind(args, kwargs, _MAX_ARGS)
     n, what = _op(op_call)
     params = _pool_params(n, kernel, stride, padding, dilation, what)
     run = lambda t, pads: op_call(t, params[0], params[1], pads, params[3], bool(ceil_mode))  # noqa: E731
@@ -337,9 +304,10 @@ def max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         d, w = plan.spatial_dim, plan.window
         out, idx = result
         idx = _move_indices(idx, math.prod(x.shape[d + 1:]), w.local_size, x.shape[d], w.need_start)
-    return _wrap(out, plan.mesh, plan.placements, out_shape), _wrap(idx, plan.mesh, plan.placements, out_shape)
+    return wrap(out, plan.mesh, plan.placements, out_shape), wrap(idx, plan.mesh, plan.placements, out_shape)
 
 
+@HANDLERS.implements(aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
 def max_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.max_pool{2,3}d_with_indices_backward.default`` (the adjoint).
 
@@ -348,7 +316,7 @@ def max_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTenso
     them to its exchanged strip, scatters its output gradients there and sends the halo part
     back to its owner. Returns ``grad_input`` with the input's placements.
     """
-    grad_out, x, kernel, stride, padding, dilation, ceil_mode, indices = _bind(args, kwargs, _MAX_BACKWARD_ARGS)
+    grad_out, x, kernel, stride, padding, dilation, ceil_mode, indices = bind(args, kwargs, _MAX_BACKWARD_ARGS)
     n, what = _op(op_call)
     params = _pool_params(n, kernel, stride, padding, dilation, what)
 
@@ -386,6 +354,7 @@ def _edge_scale(plan: _Plan, params: tuple, in_size: int, count_include_pad: boo
     return scale.view(_with_size([1] * like.ndim, plan.spatial_dim, -1))
 
 
+@HANDLERS.implements(aten.avg_pool2d.default, aten.avg_pool3d.default)
 def avg_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.avg_pool{2,3}d.default`` with a spatially sharded input.
 
@@ -401,7 +370,7 @@ def avg_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         >>> y.placements, y.shape, y.to_local().shape                             # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 3, 5, 6]), torch.Size([2, 3, 5, 0]))
     """
-    x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = _bind(args, kwargs, _AVG_ARGS)
+    x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = bind(args, kwargs, _AVG_ARGS)
     n, what = _op(op_call)
     params = _pool_params(n, kernel, stride, padding, 1, what)
     include_pad = True if count_include_pad is None else bool(count_include_pad)
@@ -414,9 +383,10 @@ def avg_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         else:
             scale = _edge_scale(plan, params, x.shape[plan.spatial_dim], include_pad, divisor_override, out)
             out = out if scale is None else out * scale
-    return _wrap(out, plan.mesh, plan.placements, out_shape)
+    return wrap(out, plan.mesh, plan.placements, out_shape)
 
 
+@HANDLERS.implements(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
 def avg_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.avg_pool{2,3}d_backward.default`` (the adjoint of the forward).
 
@@ -425,7 +395,7 @@ def avg_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTenso
     forward rescaled them, spread over the exchanged strip by the local kernel and the halo
     part sent back. Returns ``grad_input`` with the input's placements.
     """
-    grad_out, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = _bind(
+    grad_out, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = bind(
         args, kwargs, _AVG_BACKWARD_ARGS)
     n, what = _op(op_call)
     params = _pool_params(n, kernel, stride, padding, 1, what)
@@ -469,6 +439,7 @@ def _global_max(op_call: Any, x_local: torch.Tensor, output_size: list[int], pla
     return best.to(x_local.dtype), torch.where(nan.any(0), last_nan, first).long()
 
 
+@HANDLERS.implements(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
 def adaptive_max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.adaptive_max_pool{2,3}d.default`` with a spatially sharded input.
 
@@ -485,11 +456,11 @@ def adaptive_max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
         >>> out.placements, out.shape
         ((Replicate(),), torch.Size([2, 3, 1, 1]))
     """
-    x, output_size = _bind(args, kwargs, ("self", "output_size"))
+    x, output_size = bind(args, kwargs, ("self", "output_size"))
     n, what = _op(op_call)
     plan = _layout(x, n, what)
-    x = _without_partials(x, plan)
-    output_size = _expand(output_size, n, "output_size", what)
+    x = without_partials(x)
+    output_size = expand(output_size, n, "output_size", f"sharded {what}")
     out_shape = op_call(torch.empty(x.shape, dtype=x.dtype, device="meta"), output_size)[0].shape
     if plan.spatial_dim is None:
         out, idx = op_call(x.to_local(), output_size)
@@ -500,9 +471,10 @@ def adaptive_max_pool_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     else:
         placements = plan.gathered()
         out, idx = op_call(x.redistribute(plan.mesh, placements).to_local(), output_size)
-    return _wrap(out, plan.mesh, placements, out_shape), _wrap(idx, plan.mesh, placements, out_shape)
+    return wrap(out, plan.mesh, placements, out_shape), wrap(idx, plan.mesh, placements, out_shape)
 
 
+@HANDLERS.implements(aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default)
 def adaptive_max_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.adaptive_max_pool{2,3}d_backward.default``.
 
@@ -517,7 +489,7 @@ def adaptive_max_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) 
         >>> gi.placements
         (Shard(dim=3),)
     """
-    grad_out, x, indices = _bind(args, kwargs, ("grad_output", "self", "indices"))
+    grad_out, x, indices = bind(args, kwargs, ("grad_output", "self", "indices"))
     n, what = _op(op_call)
     plan = _layout(x, n, what)
     x_local = x.to_local()
@@ -528,7 +500,7 @@ def adaptive_max_pool_backward_handler(op_call: Any, args: tuple, kwargs: dict) 
         go = _redistributed(grad_out, plan, plan.gathered(), what)
         idx = _redistributed(indices, plan, plan.gathered(), what)
         gi = _scatter_owned(go, idx, x_local, plan, x.shape[plan.spatial_dim])
-    return _wrap(gi, plan.mesh, plan.placements, x.shape)
+    return wrap(gi, plan.mesh, plan.placements, x.shape)
 
 
 def _scatter_owned(go: torch.Tensor, idx: torch.Tensor, x_local: torch.Tensor, plan: _Plan,
@@ -553,23 +525,12 @@ def _scatter_owned(go: torch.Tensor, idx: torch.Tensor, x_local: torch.Tensor, p
 # --------------------------------------------------------------------------------------------
 
 
+@HANDLERS.implements(aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
+                    aten.max_pool1d_with_indices.default, aten.avg_pool1d.default, aten.adaptive_max_pool1d.default)
 def _decompose_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     """A 1d pooling op that reached DTensor whole (``torch.inference_mode``): run its
     decomposition (``unsqueeze(-2)`` + the 2d op), whose ops reach the handlers above."""
     return op_call.decompose(*args, **(kwargs or {}))
 
 
-_TABLE = HandlerTable("torch_tp.conv.pooling", {
-    **dict.fromkeys([aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default], max_pool_handler),
-    **dict.fromkeys([aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default],
-                    max_pool_backward_handler),
-    **dict.fromkeys([aten.avg_pool2d.default, aten.avg_pool3d.default], avg_pool_handler),
-    **dict.fromkeys([aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default], avg_pool_backward_handler),
-    **dict.fromkeys([aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default], adaptive_max_pool_handler),
-    **dict.fromkeys([aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default],
-                    adaptive_max_pool_backward_handler),
-    **dict.fromkeys([aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
-                     aten.max_pool1d_with_indices.default, aten.avg_pool1d.default,
-                     aten.adaptive_max_pool1d.default], _decompose_handler),
-})
-install, uninstall, is_installed, sharded_pooling = _TABLE.public_functions("sharded_pooling", "pooling")
+install, uninstall, is_installed, sharded_pooling = HANDLERS.public_functions("sharded_pooling", "pooling")

@@ -1,5 +1,15 @@
 """DTensor handlers for ``aten.convolution`` / ``aten.convolution_backward`` on a spatially sharded input.
 
+| op | reached by | the handler |
+| --- | --- | --- |
+| ``convolution.default``, ``transposed=False`` | ``nn.Conv1d/2d/3d``, ``F.conv*d`` | :func:`convolution_handler`: halo exchange, local convolution |
+| ``convolution_backward.default``, ``transposed=False`` | autograd of the above | :func:`convolution_backward_handler`: the exchange's adjoint |
+
+Installed by a ``SpatialParallel`` model that needs it, or for every op by
+:func:`sharded_convolution` (:mod:`torch_tp.conv._registry`).
+
+(``transposed=True`` calls are :mod:`torch_tp.conv.transposed_conv`'s.)
+
 The input is a DTensor sharded ``Shard(d)`` on one spatial dim ``d >= 2`` over one mesh dim
 (other mesh dims ``Replicate()`` or ``Shard(0)``: batch), weight and bias replicated. Each rank
 gets from the ranks beside it on that mesh dim exactly the border slices its outputs read
@@ -8,10 +18,6 @@ its own chunk of the output, which is therefore a true ``Shard(d)`` of the globa
 backward recomputes the strip, runs the local ``convolution_backward`` and sends the halo
 gradients back to their owners (the exact adjoint of the exchange). Weight and bias gradients
 come back ``Partial()`` over every mesh dim the input is sharded on (spatial or batch).
-
-Nothing is installed on import: use :func:`install` / :func:`uninstall` or
-:func:`sharded_convolution`, which put these handlers into DTensor's custom op table and
-restore exactly the entries that were there before.
 
 Example::
 
@@ -29,15 +35,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor
 
+from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_replicated, expand, partial_where_sharded, spatial_layout, \
+    without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, conv_windows
-from torch_tp.conv._handler_table import HandlerTable
+from torch_tp.conv._registry import HandlerSet
 from torch_tp.conv.halo import (
     _exchange_backward,
     _exchange_backward_start,
@@ -59,6 +67,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+HANDLERS = HandlerSet("torch_tp.conv.sharded_conv", serves=(nn.Conv1d, nn.Conv2d, nn.Conv3d))
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,61 +89,32 @@ class _Plan:
     dilation: list[int]
 
 
-def _expand(values: Sequence[int], n: int, name: str) -> list[int]:
-    values = list(values)
-    if len(values) == 1:
-        return values * n
-    if len(values) != n:
-        raise ValueError(f"sharded convolution: {name} has {len(values)} entries for {n} spatial dims")
-    return values
-
-
-def _check_replicated(t: Any, mesh: Any, name: str) -> None:
-    if t is None:
-        return
-    if not isinstance(t, DTensor):
-        raise NotImplementedError(
-            f"sharded convolution needs the {name} as a replicated DTensor on the input's mesh, "
-            f"got a plain {type(t).__name__}"
-        )
-    if t.device_mesh != mesh:
-        raise ValueError(f"sharded convolution: the {name} lives on {t.device_mesh}, the input on {mesh}")
-    if not all(isinstance(p, Replicate) for p in t.placements):
-        raise NotImplementedError(
-            f"sharded convolution needs a replicated {name} (all Replicate()), got {t.placements}"
-        )
+_WHAT = "sharded convolution"
 
 
 def _spatial_shard(x: DTensor) -> tuple[Optional[int], Optional[int]]:
     """``(tensor dim, mesh dim)`` of the one spatial shard, or ``(None, None)``; raise otherwise."""
-    ndim = x.ndim
-    if ndim not in (3, 4, 5):
+    if x.ndim not in (3, 4, 5):
         raise NotImplementedError(
-            f"sharded convolution supports Conv1d/2d/3d inputs (3-5 dims with batch), got {ndim} dims"
+            f"{_WHAT} supports Conv1d/2d/3d inputs (3-5 dims with batch), got {x.ndim} dims"
         )
-    found: list[tuple[int, int]] = []
-    for mesh_dim, p in enumerate(x.placements):
-        if isinstance(p, Replicate):
-            continue
-        if not isinstance(p, Shard) or type(p) is not Shard:
-            raise NotImplementedError(
-                f"sharded convolution supports Replicate(), Shard(0) (batch) and Shard(d) on one spatial "
-                f"dim; mesh dim {mesh_dim} of the input is {p}"
-            )
-        d = p.dim % ndim
-        if d == 1:
-            raise NotImplementedError(
-                f"sharded convolution cannot shard the channel dim (Shard(1) on mesh dim {mesh_dim}); "
-                f"shard the batch (dim 0) or one spatial dim (2..{ndim - 1}) instead"
-            )
-        if d >= 2:
-            found.append((d, mesh_dim))
-    if len(found) > 1:
-        raise NotImplementedError(
-            f"sharded convolution supports the input sharded on one spatial dim over one mesh dim, got "
-            f"{x.placements} ((tensor dim, mesh dim) = {found})"
-        )
-    return found[0] if found else (None, None)
+    return spatial_layout(x, _WHAT).one_spatial_dim(_WHAT)
+
+
+def _require_not_transposed(transposed: Any) -> None:
+    if transposed:  # the overlap of neighbouring outputs, the adjoint of the halo: its own set
+        raise ValueError("convolution_handler takes transposed=False calls only; "
+                         "torch_tp.conv.transposed_conv.transposed_convolution_handler takes the others")
+
+
+# aten.convolution serves ordinary and transposed convolution: this set takes transposed=False
+# calls, torch_tp.conv.transposed_conv's the others
+def _is_ordinary(args: tuple, kwargs: dict) -> bool:
+    return not bind(args, kwargs, CONV_ARGS)[6]
+
+
+def _is_ordinary_backward(args: tuple, kwargs: dict) -> bool:
+    return not bind(args, kwargs, CONV_BACKWARD_ARGS)[7]
 
 
 def _plan(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
@@ -144,14 +124,12 @@ def _plan(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: A
             f"sharded convolution needs the input as a DTensor, got a plain {type(x).__name__} "
             f"(with a DTensor weight)"
         )
-    if transposed:
-        raise NotImplementedError("sharded convolution does not support transposed convolution")
     mesh = x.device_mesh
-    _check_replicated(weight, mesh, "weight")
-    _check_replicated(bias, mesh, "bias")
+    check_replicated(weight, mesh, "weight", _WHAT)
+    check_replicated(bias, mesh, "bias", _WHAT)
     d, mesh_dim = _spatial_shard(x)
     n_spatial = x.ndim - 2
-    stride, padding, dilation = (_expand(v, n_spatial, name) for v, name in
+    stride, padding, dilation = (expand(v, n_spatial, name, _WHAT) for v, name in
                                  ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
     window = None
     if d is not None:
@@ -168,21 +146,6 @@ def _plan(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: A
 
 def _out_size(size: int, k: int, stride: int, pad: int, dilation: int) -> int:
     return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _wrap(local: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> DTensor:
-    """A DTensor with ``local`` as this rank's shard of a tensor of global ``shape``."""
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,14 +268,7 @@ def _global_out_shape(x: DTensor, weight: DTensor, plan_args: tuple) -> list[int
 # --------------------------------------------------------------------------------------------
 
 
-def _reduced(x: Any) -> Any:
-    """A partial-sum input (a spatial mean feeding a 1x1 convolution, as in squeeze-excite)
-    reduced first: the convolution of the whole value, its gradient replicated."""
-    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
-        return x
-    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
-
-
+@HANDLERS.implements(aten.convolution.default, when=_is_ordinary)
 def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.convolution.default`` with a spatially sharded input.
 
@@ -334,17 +290,12 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         >>> y.placements, y.shape, y.to_local().shape                            # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 5, 8, 30]), torch.Size([2, 5, 8, 6]))
     """
-    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(
-        args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
-                       "output_padding", "groups"))
-    if transposed:  # the overlap of neighbouring outputs, the adjoint of the halo: transposed_conv.py
-        from torch_tp.conv.transposed_conv import transposed_convolution_handler
-
-        return transposed_convolution_handler(op_call, args, kwargs)
-    x = _reduced(x)
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = bind(args, kwargs, CONV_ARGS)
+    _require_not_transposed(transposed)
+    x = without_partials(x)  # a spatial mean feeding a 1x1 convolution (squeeze-excite)
     plan = _plan(x, weight, bias, stride, padding, dilation, transposed, groups)
     n_spatial = x.ndim - 2
-    op_padding = _expand(padding, n_spatial, "padding")
+    op_padding = expand(padding, n_spatial, "padding", _WHAT)
     out_shape = _global_out_shape(x, weight, (plan.stride, op_padding, plan.dilation))
     x_local = x.to_local()
     w_local = weight.to_local()
@@ -361,9 +312,10 @@ def convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         out = _overlapped(x_local, plan, conv, stride=plan.stride[k], span=plan.dilation[k] * (weight.shape[plan.spatial_dim] - 1))
     else:
         out = conv(_local_input(x_local, plan))
-    return _wrap(out, plan.mesh, plan.placements, out_shape)
+    return wrap(out, plan.mesh, plan.placements, out_shape)
 
 
+@HANDLERS.implements(aten.convolution_backward.default, when=_is_ordinary_backward)
 def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.convolution_backward.default`` (the adjoint of the forward).
 
@@ -381,14 +333,9 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
         ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
     """
     (grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-     output_mask) = _bind(args, kwargs, ("grad_output", "input", "weight", "bias_sizes", "stride",
-                                         "padding", "dilation", "transposed", "output_padding",
-                                         "groups", "output_mask"))
-    if transposed:
-        from torch_tp.conv.transposed_conv import transposed_convolution_backward_handler
-
-        return transposed_convolution_backward_handler(op_call, args, kwargs)
-    x = _reduced(x)
+     output_mask) = bind(args, kwargs, CONV_BACKWARD_ARGS)
+    _require_not_transposed(transposed)
+    x = without_partials(x)  # a spatial mean feeding a 1x1 convolution (squeeze-excite)
     plan = _plan(x, weight, None, stride, padding, dilation, transposed, groups)
     if not isinstance(grad_out, DTensor):
         raise NotImplementedError("sharded convolution backward needs grad_output as a DTensor")
@@ -405,10 +352,10 @@ def convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tup
         gi, gw, gb = _backward_overlapped(x_local, plan, conv_backward, mask)
     else:
         gi, gw, gb = _backward_serial(x_local, w_local, weight, plan, conv_backward, mask)
-    grad_input = _wrap(gi, plan.mesh, plan.placements, x.shape) if mask[0] else None
-    reduced = [Partial() if isinstance(p, Shard) else Replicate() for p in plan.placements]
-    grad_weight = _wrap(gw, plan.mesh, reduced, weight.shape) if mask[1] else None
-    grad_bias = _wrap(gb, plan.mesh, reduced, gb.shape) if mask[2] else None
+    grad_input = wrap(gi, plan.mesh, plan.placements, x.shape) if mask[0] else None
+    reduced = partial_where_sharded(plan.placements)
+    grad_weight = wrap(gw, plan.mesh, reduced, weight.shape) if mask[1] else None
+    grad_bias = wrap(gb, plan.mesh, reduced, gb.shape) if mask[2] else None
     return grad_input, grad_weight, grad_bias
 
 
@@ -475,14 +422,6 @@ def _grad_strip(g_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return strip
 
 
-def _bind(args: tuple, kwargs: dict, names: tuple) -> list:
-    values = list(args) + [None] * (len(names) - len(args))
-    for i, name in enumerate(names):
-        if name in (kwargs or {}):
-            values[i] = kwargs[name]
-    return values
-
-
 # --------------------------------------------------------------------------------------------
 # Overlap of the halo exchange with the interior's compute
 # --------------------------------------------------------------------------------------------
@@ -532,8 +471,4 @@ def halo_overlap(enabled: bool) -> Iterator[None]:
 # Installation
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.sharded_conv", {
-    aten.convolution.default: convolution_handler,
-    aten.convolution_backward.default: convolution_backward_handler,
-})
-install, uninstall, is_installed, sharded_convolution = _TABLE.public_functions("sharded_convolution", "convolution")
+install, uninstall, is_installed, sharded_convolution = HANDLERS.public_functions("sharded_convolution", "convolution")

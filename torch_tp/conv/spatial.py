@@ -1,11 +1,13 @@
 """``SpatialParallel``: run convolutions (and the position-wise modules between them) on an input
 sharded along a spatial dim, with replicated weights; its rules and forward hooks.
 
-The halo exchange itself is :mod:`torch_tp.conv.sharded_conv`'s DTensor handlers: applying
-the style to a convolution installs them (:func:`torch_tp.conv.install`, once). This module
-only decides what a spatial shard can run (:func:`check_spatial`), replicates the
-parameters, and converts the module's input to ``Shard(dim)`` and its output to
-``output_layouts``. Function form: :func:`torch_tp.functional.spatial`.
+The halo exchange itself is :mod:`torch_tp.conv.sharded_conv`'s DTensor handlers, and the other
+ops' are the other handler sets of :mod:`torch_tp.conv._registry`: a parallelized module holds
+the sets it needs while it lives, and they run inside its forward and the backward through it
+(nowhere else). This module only decides what a spatial shard can run (:func:`check_spatial`,
+:func:`check_spatial_region`: one rule helper for both modes), replicates the parameters, and
+converts the module's input to ``Shard(dim)`` and its output to ``output_layouts``. Function
+form: :func:`torch_tp.functional.spatial`.
 
 Example::
 
@@ -15,9 +17,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,22 +28,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
-from torch_tp.conv import batch_norm as sharded_batch_norm
-from torch_tp.conv import global_mean as sharded_mean
-from torch_tp.conv import group_norm as sharded_group_norm
-from torch_tp.conv import padding as sharded_padding
-from torch_tp.conv import pointwise as sharded_pointwise
-from torch_tp.conv import pooling as sharded_pooling
-from torch_tp.conv import upsample as sharded_upsample
-from torch_tp.conv import sharded_conv
+from torch_tp.conv import _registry
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
 __all__ = ["SpatialParallel", "check_spatial", "check_spatial_region", "is_spatial_leaf"]
 
-# What SpatialParallel runs on a spatial shard: convolutions (halo exchange) and modules
-# that compute each position on its own. Pooling is refused: its windows cross shard
-# borders and there is no halo exchange for it.
+# What SpatialParallel runs as one layer on a spatial shard: convolutions (halo exchange),
+# normalizations and modules that compute each position on its own. Pooling and upsampling
+# run inside a region (their handlers are region-only); one such layer alone is refused.
 SPATIAL_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SPATIAL_POINTWISE = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Dropout,
@@ -80,6 +74,24 @@ def _spatial_dim(dim: object, ndim: int | None, where: str) -> int:
     return dim % ndim
 
 
+def _check(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None, *, dim: int,
+           region: bool, until: str | None = None) -> None:
+    """The one rule helper of both modes: what ``SpatialParallel`` refuses, before anything changes."""
+    rules.require_1d_mesh(device_mesh, _STYLE)
+    where = rules.describe(module, module_path)
+    if region:
+        _spatial_dim(dim, None, "")
+        _require_until(module, until, where)
+        for path, child in module.named_modules():
+            inner = f"{module_path}.{path}" if module_path and path else (path or module_path)
+            _require_runs_on_a_strip(child, rules.describe(child, inner), region=True, dim=dim)
+    else:
+        _spatial_dim(dim, module.weight.ndim if isinstance(module, SPATIAL_CONVS) else None, f" on {where}")
+        _require_runs_on_a_strip(module, where, region=False, dim=dim)
+    rules.require_plain_parameters(module, _STYLE, module_path)
+    rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
+
+
 def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *, dim: int = -1) -> None:
     """Raise if ``SpatialParallel(dim=dim)`` cannot run ``module`` on a spatial shard (changes nothing).
 
@@ -88,7 +100,7 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     :mod:`torch_tp.conv.batch_norm`) and eval mode, ``nn.GroupNorm`` (statistics of the whole
     image, :mod:`torch_tp.conv.group_norm`), and position-wise modules (``nn.ReLU``, ``nn.Hardswish``,
     ``nn.GELU``, ``nn.Identity``, ``nn.Dropout`` with ``p=0`` or in eval mode, ...).
-    Refused: pooling and everything else.
+    Refused: everything else (pooling and upsampling run inside a region, :func:`check_spatial_region`).
 
     Example::
 
@@ -99,45 +111,7 @@ def check_spatial(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
         ...     print(type(err).__name__, str(err)[:50])
         UnsupportedModuleError SpatialParallel cannot run 'pool' (MaxPool2d) on a
     """
-    rules.require_1d_mesh(device_mesh, _STYLE)
-    where = rules.describe(module, module_path)
-    _spatial_dim(dim, module.weight.ndim if isinstance(module, SPATIAL_CONVS) else None, f" on {where}")
-    _require_spatial_module(module, where)
-    rules.require_plain_parameters(module, _STYLE, module_path)
-    rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
-
-
-_HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_GROUPNORMS + SPATIAL_POINTWISE
-
-
-def is_spatial_leaf(module: nn.Module) -> bool:
-    """Whether ``SpatialParallel`` runs ``module`` as one layer (a convolution, a BatchNorm, a
-    position-wise module); a module with submodules (a model, a block) it runs as a *region*.
-
-    Example::
-
-        >>> is_spatial_leaf(nn.Conv2d(3, 8, 3)), is_spatial_leaf(nn.Sequential(nn.Conv2d(3, 8, 3)))
-        (True, False)
-    """
-    return _handled_base(module) is not None
-
-
-_TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def _require_region_layer(module: nn.Module, where: str) -> None:
-    """Inside a region every op runs on the shard; refuse the layers whose result would differ."""
-    if isinstance(module, (*SPATIAL_CONVS, *_TRANSPOSED_CONVS)) and module.padding_mode != "zeros":
-        raise rules.UnsupportedModuleError(
-            f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
-            f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
-        )
-    if isinstance(module, _DROPOUTS) and module.training and module.p > 0:
-        raise rules.UnsupportedModuleError(
-            f"{_STYLE} cannot run {where} with p={module.p} in training mode: its mask "
-            f"would differ from the unsharded model's. Use p=0 or .eval()"
-        )
+    _check(module, device_mesh, module_path, dim=dim, region=False)
 
 
 def check_spatial_region(
@@ -162,20 +136,35 @@ def check_spatial_region(
         ...     print(str(err)[:60])
         SpatialParallel(until='head') on '<root>' (Sequential): no s
     """
-    rules.require_1d_mesh(device_mesh, _STYLE)
-    _spatial_dim(dim, None, "")
-    where = rules.describe(module, module_path)
-    paths = dict(module.named_modules())
+    _check(module, device_mesh, module_path, dim=dim, region=True, until=until)
+
+
+_HANDLED = SPATIAL_CONVS + SPATIAL_BATCHNORMS + SPATIAL_GROUPNORMS + SPATIAL_POINTWISE
+
+
+def is_spatial_leaf(module: nn.Module) -> bool:
+    """Whether ``SpatialParallel`` runs ``module`` as one layer (a convolution, a BatchNorm, a
+    position-wise module); a module with submodules (a model, a block) it runs as a *region*.
+
+    Example::
+
+        >>> is_spatial_leaf(nn.Conv2d(3, 8, 3)), is_spatial_leaf(nn.Sequential(nn.Conv2d(3, 8, 3)))
+        (True, False)
+    """
+    return _handled_base(module) is not None
+
+
+_TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _require_until(module: nn.Module, until: str | None, where: str) -> None:
+    paths = [path for path, _ in module.named_modules()]
     if until is not None and (not until or until not in paths):
         raise ValueError(
             f"{_STYLE}(until={until!r}) on {where}: no submodule has that path; name the module "
             f"where the spatial region ends (e.g. the classifier head), one of {sorted(p for p in paths if p)[:8]}"
         )
-    for path, child in paths.items():
-        inner = f"{module_path}.{path}" if module_path and path else (path or module_path)
-        _require_region_layer(child, rules.describe(child, inner))
-    rules.require_plain_parameters(module, _STYLE, module_path)
-    rules.require_unprepared(module, rules.BOTH_STAGES, _STYLE, module_path)
 
 
 def _handled_base(module: nn.Module) -> type | None:
@@ -183,30 +172,38 @@ def _handled_base(module: nn.Module) -> type | None:
     return next((cls for cls in type(module).__mro__ if cls in _HANDLED), None)
 
 
-def _require_spatial_module(module: nn.Module, where: str) -> None:
-    base = _handled_base(module)
-    if base is not None and type(module).forward is not base.forward:
-        raise rules.UnsupportedModuleError(
-            f"{_STYLE} cannot run {where}: {type(module).__qualname__} subclasses nn.{base.__name__} "
-            f"but has its own forward, which {_STYLE} does not know (it may do more than "
-            f"nn.{base.__name__}, e.g. a BatchNorm that also applies an activation); "
-            f"parallelize its parts, or leave it out of the plan"
-        )
-    if isinstance(module, SPATIAL_CONVS) and module.padding_mode != "zeros":
+def _require_runs_on_a_strip(module: nn.Module, where: str, *, region: bool, dim: int) -> None:
+    """The one rule for a layer on a spatial strip. Both modes refuse a layer whose result would
+    differ (padding from the far border, a dropout mask); one layer on its own must also be a
+    layer this style knows (inside a region, DTensor and the handler sets run every op)."""
+    if isinstance(module, (*SPATIAL_CONVS, *_TRANSPOSED_CONVS)) and module.padding_mode != "zeros":
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: padding_mode="
             f"{module.padding_mode!r} pads with values from the far border; only 'zeros'"
         )
-    if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+    if isinstance(module, _DROPOUTS) and module.training and module.p > 0:
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} with p={module.p} in training mode: its mask "
             f"would differ from the unsharded model's. Use p=0 or .eval()"
+        )
+    if region:
+        return
+    base = _handled_base(module)
+    if base is not None and type(module).forward is not base.forward:
+        raise rules.UnsupportedModuleError(
+            f"{_STYLE} cannot run {where} as one layer: {type(module).__qualname__} subclasses "
+            f"nn.{base.__name__} but has its own forward, which {_STYLE} does not know (it may do more "
+            f"than nn.{base.__name__}, e.g. a BatchNorm that also applies an activation). Apply "
+            f"{_STYLE}(dim={dim}) to the model or block that holds it instead (one plan entry for the "
+            f"whole CNN, e.g. parallelize_module(model, mesh, {_STYLE}(dim={dim}))): a spatial region "
+            f"runs every op of its forward on the strips"
         )
     if base is None:
         names = ", ".join(f"nn.{t.__name__}" for t in _HANDLED)
         raise rules.UnsupportedModuleError(
             f"{_STYLE} cannot run {where} on a spatial shard: it handles {names} "
-            f"(BatchNorm in training and eval mode). Pooling windows cross shard borders; gather "
+            f"(BatchNorm in training and eval mode). Apply SpatialParallel to the model or block "
+            f"holding it instead (a spatial region runs pooling and upsampling on strips), or gather "
             f"the input first (e.g. output_layouts=Replicate() on the module before)"
         )
 
@@ -234,38 +231,25 @@ def _global_size(local: torch.Tensor, d: int, device_mesh, where: str) -> int:
     return total
 
 
-def _require_runnable_input(module: nn.Module, x: torch.Tensor, where: str) -> None:
-    if isinstance(module, SPATIAL_GROUPNORMS) and not sharded_group_norm.is_installed():
-        raise RuntimeError(
-            f"{_STYLE} on {where}: the sharded GroupNorm handlers were uninstalled; call "
-            f"torch_tp.conv.group_norm.install()"
-        )
-    if isinstance(module, SPATIAL_BATCHNORMS) and not sharded_batch_norm.is_installed():
-        raise RuntimeError(
-            f"{_STYLE} on {where}: the sharded BatchNorm handlers were uninstalled "
-            f"(torch_tp.conv.batch_norm.uninstall()); without them DTensor cannot normalize a "
-            f"spatial shard with the module's plain running statistics. Call "
-            f"torch_tp.conv.batch_norm.install()"
-        )
-    if not isinstance(module, SPATIAL_CONVS):
-        return
-    if not sharded_conv.is_installed():
-        raise RuntimeError(
-            f"{_STYLE} on {where}: the sharded convolution handlers were uninstalled "
-            f"(torch_tp.conv.uninstall()); without them DTensor would mislabel a padded "
-            f"convolution's output. Call torch_tp.conv.install()"
-        )
-    if x.ndim != module.weight.ndim:
+def _require_runnable_input(module: nn.Module, x: torch.Tensor, where: str, sets: tuple) -> None:
+    for handler_set in sets:
+        if not handler_set.is_installed():  # someone replaced DTensor's table entries since
+            raise RuntimeError(
+                f"{_STYLE} on {where}: the handlers of {handler_set.owner} are no longer in DTensor's "
+                f"custom op table (something replaced them); without them DTensor would run its "
+                f"default rules on a spatial shard. Parallelize the module again"
+            )
+    if isinstance(module, SPATIAL_CONVS) and x.ndim != module.weight.ndim:
         raise ValueError(
             f"{_STYLE} on {where} needs a batched {module.weight.ndim}-D (N, C, ...) input, "
             f"got {x.ndim} dims {tuple(x.shape)}"
         )
 
 
-def _spatial_input(module, args, *, device_mesh, input_layout, dim, module_path):
+def _spatial_input(module, args, *, device_mesh, input_layout, dim, module_path, sets):
     x = rules.require_first_input(args, module, module_path, _STYLE)
     where = rules.describe(module, module_path)
-    _require_runnable_input(module, x, where)
+    _require_runnable_input(module, x, where, sets)
     desired = Shard(_spatial_dim(dim, x.ndim, f" on {where}"))
     if isinstance(x, DTensor):
         return None if tuple(x.placements) == (desired,) else (redistribute_to(x, desired), *args[1:])
@@ -334,15 +318,16 @@ class SpatialParallel(ParallelStyle):
     of a map that is still spatial, such as a U-Net's logits; the whole value once pooled), a
     DTensor for a DTensor. ``until="head"`` ends the region at that submodule, which reads
     whole tensors. Layers whose result on a strip would differ (``Dropout`` with ``p > 0`` in
-    training, a convolution padding from the far border, a transposed convolution) are
+    training, a convolution or transposed convolution padding from the far border) are
     refused naming their path.
 
     **On one layer**: ``nn.Conv1d/2d/3d``, ``nn.BatchNorm1d/2d/3d`` (training and eval mode),
     ``nn.ReLU`` (and ``GELU``, ``SiLU``, ...), ``nn.Identity`` and ``nn.Dropout`` with ``p=0``
     or in eval mode, and subclasses that keep their ``forward`` (a subclass with its own
     ``forward``, timm's ``BatchNormAct2d``, is refused there: run it inside a region). The
-    output stays a ``Shard(dim)`` DTensor for the next layer. Pooling is refused with
-    :class:`~torch_tp.UnsupportedModuleError` naming the module path.
+    output stays a ``Shard(dim)`` DTensor for the next layer. Other layers (pooling,
+    upsampling: a region runs them) are refused with :class:`~torch_tp.UnsupportedModuleError`
+    naming the module path.
 
     A plain-tensor input is this rank's ``torch.chunk`` slice (the global size is gathered,
     so uneven slices work) or, with ``input_layouts=Replicate()``, the full input. The
@@ -374,9 +359,10 @@ class SpatialParallel(ParallelStyle):
         >>> cnn(my_width_strip).placements
         (Shard(dim=3),)
 
-    .. note:: Applying it installs the op handlers it needs (:func:`torch_tp.conv.install`
-        for convolutions, :mod:`torch_tp.conv.batch_norm`'s for BatchNorm) and leaves them
-        installed; importing torch_tp alone changes no DTensor behaviour.
+    .. note:: The parallelized module holds the op handler sets it needs (convolution,
+        BatchNorm, ...; every set for a region) while it lives, and their handlers run only
+        inside its forward and the backward through it: DTensor code beside it behaves as
+        if torch_tp were not there (:mod:`torch_tp.conv._registry`).
     """
 
     dim: int
@@ -413,75 +399,42 @@ class SpatialParallel(ParallelStyle):
         distribute_parameters(module, plain, device_mesh, src_data_rank)
         if self._is_region(module):
             return self._apply_to_region(module, device_mesh, module_path)
-        _install_handlers(module)
         name_plain_tensors_on_error(module, _STYLE, module_path)
         module.register_forward_pre_hook(partial(
             _spatial_input, device_mesh=device_mesh, input_layout=self.input_layouts, dim=self.dim,
-            module_path=module_path,
+            module_path=module_path, sets=_registry.sets_for(module),
         ))
         module.register_forward_hook(
             partial(_spatial_output, layout=self.output_layouts, use_local_output=self.use_local_output)
         )
+        _run_in_scope(module, _registry.sets_for(module))
         rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
         return module
 
     def _apply_to_region(self, module, device_mesh, module_path):
-        _install_handlers(None)
         module.register_forward_pre_hook(partial(
             _region_input, device_mesh=device_mesh, input_layout=self.input_layouts, dim=self.dim,
-            module_path=module_path,
+            module_path=module_path, sets=_registry.sets_for(None),
         ))
         module.register_forward_hook(partial(
             _region_output, layout=self.output_layouts, dim=self.dim, use_local_output=self.use_local_output,
         ))
         if self.until is not None:
             module.get_submodule(self.until).register_forward_pre_hook(_head_input)
+        _run_in_scope(module, _registry.sets_for(None))
         rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
         return module
 
 
-def _install_handlers(module: nn.Module | None) -> None:
-    """The op handlers ``module`` needs (every one, for a region), installed once and left installed."""
-    if (module is None or isinstance(module, SPATIAL_CONVS)) and not sharded_conv.is_installed():
-        sharded_conv.install()
-    if (module is None or isinstance(module, SPATIAL_CONVS)) and not sharded_padding.is_installed():
-        sharded_padding.install()  # an even kernel's padding="same" pads the strip: keep it sharded
-    if (module is None or isinstance(module, SPATIAL_BATCHNORMS)) and not sharded_batch_norm.is_installed():
-        sharded_batch_norm.install()  # its handlers read the module's plain running statistics
-    if (module is None or isinstance(module, SPATIAL_GROUPNORMS)) and not sharded_group_norm.is_installed():
-        sharded_group_norm.install()  # whole-image statistics; channel LayerNorm keeps empty strips
-    if module is None or isinstance(module, SPATIAL_POINTWISE):
-        sharded_pointwise.register()  # activations DTensor has no rule for (idempotent)
-    if module is None and not sharded_pooling.is_installed():
-        sharded_pooling.install()  # a region's pooling windows cross strip borders: halos
-    if module is None and not sharded_upsample.is_installed():
-        sharded_upsample.install()  # upsampling reads the columns its outputs interpolate
-    if module is None and not sharded_mean.is_installed():
-        sharded_mean.install()  # a spatial mean (squeeze-excite, global pool) over uneven strips: no gather
+def _run_in_scope(module: nn.Module, sets: tuple) -> None:
+    """Hold ``sets`` in DTensor's table while ``module`` lives, and run its forward (all its hooks
+    included: registered last, entered first) and the backward through it in the scope where
+    their handlers apply (:mod:`torch_tp.conv._registry`)."""
+    _registry.hold(module, sets)
+    module.register_forward_pre_hook(_registry.enter_scope, prepend=True)
+    module.register_forward_hook(_scope_output, always_call=True)
 
 
-_HANDLER_MODULES = (sharded_conv, sharded_padding, sharded_batch_norm, sharded_group_norm, sharded_pooling,
-                    sharded_upsample, sharded_mean)
-
-
-@contextlib.contextmanager
-def _handlers_left_as_found() -> Iterator[None]:
-    """Uninstall, on exit, every handler set that :class:`SpatialParallel` installed inside
-    (it leaves them installed for the model's later calls). For code that shares a process
-    with others, as the tests' rank workers do.
-
-    Example:
-        >>> from torch_tp.conv import padding
-        >>> with _handlers_left_as_found():
-        ...     padding.install()
-        >>> padding.is_installed()
-        False
-    """
-    was = [handlers.is_installed() for handlers in _HANDLER_MODULES]
-    try:
-        yield
-    finally:
-        for handlers, installed in zip(_HANDLER_MODULES, was):
-            if handlers.is_installed() and not installed:
-                handlers.uninstall()
-
+def _scope_output(module: nn.Module, inputs: Any, output: Any) -> None:
+    _registry.exit_scope()
+    _registry.scope_backward(output)

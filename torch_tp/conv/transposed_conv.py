@@ -18,9 +18,10 @@ bias. The backward gathers the gradient over the strip's reach (the forward exch
 local ``convolution_backward`` gives the input gradient with no further exchange. Weight and
 bias gradients come back ``Partial()`` over every mesh dim the input is sharded on.
 
-Both ops share ``aten.convolution``'s table entry with ordinary convolution, which belongs to
-:mod:`torch_tp.conv.sharded_conv`: its handlers route ``transposed=True`` calls here, so
-:func:`torch_tp.conv.install` (or :func:`~torch_tp.conv.sharded_convolution`) is all it takes.
+Both ops are shared with ordinary convolution (:mod:`torch_tp.conv.sharded_conv`): each set
+claims the calls of its kind (``when=``, :mod:`torch_tp.conv._registry`), so
+:func:`torch_tp.conv.install` (or :func:`~torch_tp.conv.sharded_convolution`), which installs
+both, is all it takes.
 
 Example::
 
@@ -38,22 +39,38 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from torch_tp._layouts import shard_bounds
+from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_replicated, expand, partial_where_sharded, spatial_layout, \
+    without_partials, wrap
 from torch_tp.conv._ranges import _gather, _Ranges, _ranges, _scatter_add, _slices
-from torch_tp.conv.sharded_conv import _bind, _check_replicated, _expand, _spatial_shard, _wrap
+from torch_tp.conv._registry import HandlerSet
 
-__all__ = ["transposed_convolution_backward_handler", "transposed_convolution_handler"]
+__all__ = [
+    "install",
+    "is_installed",
+    "transposed_convolution",
+    "transposed_convolution_backward_handler",
+    "transposed_convolution_handler",
+    "uninstall",
+]
 
 aten = torch.ops.aten
 
 
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
-              "groups")
-_CONV_BACKWARD_ARGS = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation",
-                       "transposed", "output_padding", "groups", "output_mask")
+def _is_transposed(args: tuple, kwargs: dict) -> bool:
+    return bool(bind(args, kwargs, CONV_ARGS)[6])
+
+
+def _is_transposed_backward(args: tuple, kwargs: dict) -> bool:
+    return bool(bind(args, kwargs, CONV_BACKWARD_ARGS)[7])
+
+
+HANDLERS = HandlerSet("torch_tp.conv.transposed_conv", serves=(nn.ConvTranspose1d, nn.ConvTranspose2d,
+                                                                nn.ConvTranspose3d))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +111,7 @@ class _Transposed:
         return rg, *spans[rg.position]
 
 
-def _without_partials(x: Any) -> Any:
-    """A partial-sum input reduced first (as :mod:`~torch_tp.conv.sharded_conv` does): the
-    convolution of the whole value, its gradient replicated on those mesh dims."""
-    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
-        return x
-    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+_WHAT = "sharded transposed convolution"
 
 
 def _transposed(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: Any,
@@ -111,12 +123,12 @@ def _transposed(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilat
         raise NotImplementedError(f"sharded transposed convolution needs the input as a DTensor, got "
                                   f"a plain {type(x).__name__}")
     mesh = x.device_mesh
-    _check_replicated(weight, mesh, "weight")
-    _check_replicated(bias, mesh, "bias")
-    d, mesh_dim = _spatial_shard(x)
+    check_replicated(weight, mesh, "weight", _WHAT)
+    check_replicated(bias, mesh, "bias", _WHAT)
+    d, mesh_dim = spatial_layout(x, _WHAT).one_spatial_dim(_WHAT)
     n = x.ndim - 2
     stride, padding, dilation, output_padding = (
-        _expand(v, n, name) for v, name in ((stride, "stride"), (padding, "padding"),
+        expand(v, n, name, _WHAT) for v, name in ((stride, "stride"), (padding, "padding"),
                                             (dilation, "dilation"), (output_padding, "output_padding")))
     spatial = [(x.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[2 + i] - 1)
                + output_padding[i] + 1 for i in range(n)]
@@ -125,10 +137,7 @@ def _transposed(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilat
                        groups, x.shape[d] if d is not None else None, out_shape)
 
 
-def _reduced(placements: tuple) -> list:
-    return [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
-
-
+@HANDLERS.implements(aten.convolution.default, when=_is_transposed)
 def transposed_convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for ``aten.convolution.default`` with ``transposed=True``.
 
@@ -154,15 +163,15 @@ def transposed_convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> D
         >>> y.placements, y.shape, y.to_local().shape                            # rank 3 of 4
         ((Shard(dim=3),), torch.Size([2, 2, 12, 20]), torch.Size([2, 2, 12, 5]))
     """
-    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(args, kwargs, _CONV_ARGS)
-    x = _without_partials(x)
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = bind(args, kwargs, CONV_ARGS)
+    x = without_partials(x)
     tc = _transposed(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     x_local, w_local = x.to_local(), weight.to_local()
     b_local = bias.to_local() if bias is not None else None
     if tc.dim is None:
         out = aten.convolution.default(x_local, w_local, b_local, tc.stride, tc.padding, tc.dilation, True,
                                        tc.output_padding, groups)
-        return _wrap(out, tc.mesh, tc.placements, tc.out_shape)
+        return wrap(out, tc.mesh, tc.placements, tc.out_shape)
     d = tc.dim
     rg, start, _stop = tc.geometry(weight.shape[d])
     lo, hi = rg.needs[rg.position]
@@ -176,9 +185,10 @@ def transposed_convolution_handler(op_call: Any, args: tuple, kwargs: dict) -> D
     out = _scatter_add(piece, d, rg)  # every rank exchanges, contributions or not
     if b_local is not None:
         out = out + b_local.view([1, -1] + [1] * (out.ndim - 2))
-    return _wrap(out, tc.mesh, tc.placements, tc.out_shape)
+    return wrap(out, tc.mesh, tc.placements, tc.out_shape)
 
 
+@HANDLERS.implements(aten.convolution_backward.default, when=_is_transposed_backward)
 def transposed_convolution_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> tuple:
     """DTensor handler for ``aten.convolution_backward.default`` with ``transposed=True``.
 
@@ -198,8 +208,8 @@ def transposed_convolution_backward_handler(op_call: Any, args: tuple, kwargs: d
         ((Shard(dim=3),), (Partial(sum),), (Partial(sum),))
     """
     (grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-     output_mask) = _bind(args, kwargs, _CONV_BACKWARD_ARGS)
-    x = _without_partials(x)
+     output_mask) = bind(args, kwargs, CONV_BACKWARD_ARGS)
+    x = without_partials(x)
     tc = _transposed(x, weight, None, stride, padding, dilation, transposed, output_padding, groups)
     if not isinstance(grad_out, DTensor):
         raise NotImplementedError("sharded transposed convolution backward needs grad_output as a DTensor")
@@ -214,11 +224,11 @@ def transposed_convolution_backward_handler(op_call: Any, args: tuple, kwargs: d
     else:
         gi, gw = _sharded_transposed_grads(tc, go_local, x_local, w_local, weight.shape[tc.dim], mask)
         gb = go_local.sum([0, *range(2, go_local.ndim)]) if mask[2] else None
-    reduced = _reduced(tc.placements)
+    reduced = partial_where_sharded(tc.placements)
     return (
-        _wrap(gi, tc.mesh, tc.placements, x.shape) if mask[0] else None,
-        _wrap(gw, tc.mesh, reduced, weight.shape) if mask[1] else None,
-        _wrap(gb, tc.mesh, reduced, gb.shape) if mask[2] else None,
+        wrap(gi, tc.mesh, tc.placements, x.shape) if mask[0] else None,
+        wrap(gw, tc.mesh, reduced, weight.shape) if mask[1] else None,
+        wrap(gb, tc.mesh, reduced, gb.shape) if mask[2] else None,
     )
 
 
@@ -243,3 +253,12 @@ def _sharded_transposed_grads(tc: _Transposed, go_local: torch.Tensor, x_local: 
         go_full, x_local, w_local, None, stride, padding, dilation, True, output_padding, tc.groups,
         [mask[0], mask[1], False])
     return gi, gw
+
+
+# --------------------------------------------------------------------------------------------
+# Installation
+# --------------------------------------------------------------------------------------------
+
+
+install, uninstall, is_installed, transposed_convolution = HANDLERS.public_functions(
+    "transposed_convolution", "transposed convolution")

@@ -13,6 +13,9 @@ strips included). With :mod:`torch_tp.conv.transposed_conv`, so that U-Nets run 
 | ``upsample_linear1d``, ``upsample_bilinear2d``, ``upsample_trilinear3d`` (``.default``) | ``mode="linear"/"bilinear"/"trilinear"`` | :func:`upsample_handler` |
 | the ``*_backward.default`` of each | autograd of the above | :func:`upsample_backward_handler` |
 
+Installed by a ``SpatialParallel`` model that needs it, or for every op by
+:func:`sharded_upsampling` (:mod:`torch_tp.conv._registry`).
+
 Only the ``.default`` overloads reach DTensor (the ``.vec`` ones decompose before it). Without
 these handlers DTensor all-gathers the input for an upsample (right values, but a replicated
 output and input gradient).
@@ -25,10 +28,6 @@ whichever ranks hold them exactly the input slices its output chunk reads
 dim by dim, last dim first, as the CPU kernel nests them. The backward is the exact adjoint:
 ``index_add`` along each dim, then every received slice's gradient goes back to its owner and
 is added there.
-
-Nothing is installed on import: :func:`install` / :func:`uninstall` / :func:`sharded_upsampling`
-put the upsample handlers into DTensor's custom op table and restore exactly the entries that
-were there before.
 
 Example::
 
@@ -45,12 +44,12 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from torch_tp._layouts import shard_bounds
-from torch_tp.conv._handler_table import HandlerTable
+from torch_tp.conv._core import bind, spatial_layout, wrap
 from torch_tp.conv._ranges import _gather, _Ranges, _ranges, _scatter_add, _slices
-from torch_tp.conv.sharded_conv import _bind, _wrap
+from torch_tp.conv._registry import HandlerSet
 
 __all__ = [
     "install",
@@ -82,6 +81,8 @@ _UPSAMPLE_OPS = {  # aten op name -> (kind, spatial dims, takes align_corners); 
 }
 _UPSAMPLE = {getattr(aten, name).default: spec for name, spec in _UPSAMPLE_OPS.items()}
 _UPSAMPLE_BACKWARD = {getattr(aten, f"{name}_backward").default: spec for name, spec in _UPSAMPLE_OPS.items()}
+
+HANDLERS = HandlerSet("torch_tp.conv.upsample")
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -223,7 +224,7 @@ def _upsample_call(op_call: Any, args: tuple, kwargs: dict, backward: bool) -> t
     kind, n, takes_ac = table[op_call]
     names = (("grad_output", "output_size", "input_size") if backward else ("input", "output_size"))
     names += (("align_corners",) if takes_ac else ()) + _SCALE_NAMES[n]
-    values = _bind(args, kwargs, names)
+    values = bind(args, kwargs, names)
     t, out_size = values[0], [int(s) for s in values[1]]
     in_shape = tuple(values[2]) if backward else None
     rest = values[3 if backward else 2:]
@@ -237,31 +238,15 @@ def _upsample_call(op_call: Any, args: tuple, kwargs: dict, backward: bool) -> t
 
 
 def _upsample_layout(t: Any, n: int, what: str) -> tuple:
-    if not isinstance(t, DTensor):
-        raise NotImplementedError(f"sharded upsampling needs the {what} as a DTensor, got {type(t).__name__}")
-    if t.ndim != n + 2:
+    if isinstance(t, DTensor) and t.ndim != n + 2:
         raise ValueError(f"sharded upsampling: a {n}-d upsample needs a {n + 2}-dim {what}, got {t.ndim} dims")
-    found = []
-    for mesh_dim, p in enumerate(t.placements):
-        if isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op in ("sum", "avg")):
-            continue  # upsampling is linear: the upsampled partial values are the output's
-        if type(p) is not Shard:
-            raise NotImplementedError(
-                f"sharded upsampling supports Replicate(), Partial() (sum or avg) and Shard(d) "
-                f"placements; mesh dim {mesh_dim} of the {what} is {type(p).__name__} ({p}): "
-                f"redistribute it first"
-            )
-        if p.dim % t.ndim >= 2:
-            found.append((p.dim % t.ndim, mesh_dim))
-    if len(found) > 1:
-        raise NotImplementedError(
-            f"sharded upsampling supports one spatial dim sharded over one mesh dim, got {t.placements} "
-            f"((tensor dim, mesh dim) = {found})"
-        )
-    d, mesh_dim = found[0] if found else (None, None)
-    return t.device_mesh, tuple(t.placements), d, mesh_dim
+    # upsampling is linear: the upsampled partial values (sum or avg) are the output's
+    parsed = spatial_layout(t, "sharded upsampling", channels=True, partials="keep", name=what)
+    d, mesh_dim = parsed.one_spatial_dim("sharded upsampling")
+    return parsed.mesh, parsed.placements, d, mesh_dim
 
 
+@HANDLERS.implements(*_UPSAMPLE)
 def upsample_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for the nearest, nearest-exact and (bi/tri)linear ``upsample_*.default`` ops.
 
@@ -288,7 +273,7 @@ def upsample_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     x_local = x.to_local()
     if call.dim is None:
         out = op_call(x_local, *rest)
-        return _wrap(out, call.mesh, call.placements, call.out_shape)
+        return wrap(out, call.mesh, call.placements, call.out_shape)
     dtype = x_local.dtype if call.kind != "linear" else _opmath(x_local.dtype)  # the kernel's math
     taps = {d: call.taps(d, x_local.dtype) for d in range(2, x.ndim)}
     rg, (a, b) = call.exchange(taps[call.dim])
@@ -300,9 +285,10 @@ def upsample_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
         if d == call.dim:
             index, weight = [i[a:b] - lo for i in index], [w[a:b] for w in weight]
         out = _interpolate(out, d, index, weight)
-    return _wrap(out.to(x_local.dtype), call.mesh, call.placements, call.out_shape)
+    return wrap(out.to(x_local.dtype), call.mesh, call.placements, call.out_shape)
 
 
+@HANDLERS.implements(*_UPSAMPLE_BACKWARD)
 def upsample_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTensor:
     """DTensor handler for the ``upsample_*_backward.default`` ops (the exact adjoint).
 
@@ -323,7 +309,7 @@ def upsample_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTenso
     if call.dim is None:
         local_in = [*g_local.shape[:2], *call.in_shape[2:]]
         gi = op_call(g_local, rest[0], local_in, *rest[2:])
-        return _wrap(gi, call.mesh, call.placements, call.in_shape)
+        return wrap(gi, call.mesh, call.placements, call.in_shape)
     dtype = g_local.dtype if call.kind != "linear" else _opmath(g_local.dtype)
     taps = {d: call.taps(d, g_local.dtype) for d in range(2, grad_out.ndim)}
     rg, (a, b) = call.exchange(taps[call.dim])
@@ -336,15 +322,11 @@ def upsample_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> DTenso
             index, weight, n_in = [i[a:b] - lo for i in index], [w[a:b] for w in weight], hi - lo
         g = _interpolate_adjoint(g, d, index, weight, n_in)
     gi = _scatter_add(g, call.dim, rg)
-    return _wrap(gi.to(g_local.dtype), call.mesh, call.placements, call.in_shape)
+    return wrap(gi.to(g_local.dtype), call.mesh, call.placements, call.in_shape)
 
 
 # --------------------------------------------------------------------------------------------
 # Installation (the upsample ops; transposed convolution shares aten.convolution's entry)
 # --------------------------------------------------------------------------------------------
 
-_TABLE = HandlerTable("torch_tp.conv.upsample", {
-    **{op: upsample_handler for op in _UPSAMPLE},
-    **{op: upsample_backward_handler for op in _UPSAMPLE_BACKWARD},
-})
-install, uninstall, is_installed, sharded_upsampling = _TABLE.public_functions("sharded_upsampling", "upsampling")
+install, uninstall, is_installed, sharded_upsampling = HANDLERS.public_functions("sharded_upsampling", "upsampling")

@@ -71,7 +71,9 @@ def parallelize_module(
     Keyword Args:
         src_data_rank (int or None): the rank whose values are scattered/broadcast so the
             sharded model equals the single-device one. ``None``: every rank keeps its own
-            values (no communication). Reaches every style, the ``""`` key included.
+            values and no parameter data moves (unlike upstream's "no communication", the
+            8-byte agreement all-gather below still runs). Reaches every style, the ``""``
+            key included.
         replicate_unplanned_params (bool): also turn every parameter the plan leaves out
             (e.g. norms under plain TP) into a ``Replicate()`` DTensor, broadcast from
             ``src_data_rank``, and run its module on replicated inputs
@@ -92,7 +94,10 @@ def parallelize_module(
             :func:`torch_tp.checkpoint_by_pattern`, then :func:`torch_tp.fully_shard_by_pattern`.
 
     The whole plan is checked before any module changes, so a rejected plan leaves the
-    model untouched.
+    model untouched. Then one all-gather of an 8-byte digest per rank (of the plan and the
+    parameters' shapes, dtypes and ties) makes every rank raise alike if one rejected the
+    plan or the ranks' models differ, instead of hanging in the first collective; it runs
+    with every ``src_data_rank``, ``None`` included.
 
     Example::
 

@@ -91,6 +91,11 @@ def _require_token_layout(layout: Placement, argument: str, style: str, allowed=
     return layout
 
 
+def _token_layout_argument(value, argument: str, style: str, allowed=_TOKENS) -> Placement:
+    """A style's layout argument for the tokens, normalized (default ``Replicate()``) and checked."""
+    return _require_token_layout(rules.single_layout(value, argument, style, Replicate()), argument, style, allowed)
+
+
 def _check_expert_parallel(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None) -> None:
     style = "ExpertParallel"
     rules.require_1d_mesh(device_mesh, style)
@@ -287,8 +292,7 @@ class ExpertParallel(ParallelStyle):
 
     def __post_init__(self):
         name = "ExpertParallel"
-        layout = rules.single_layout(self.input_layouts, "input_layouts", name, Replicate())
-        self.input_layouts = _require_token_layout(layout, "input_layouts", name)
+        self.input_layouts = _token_layout_argument(self.input_layouts, "input_layouts", name)
         self.use_local_output = rules.flag(self.use_local_output, "use_local_output", name)
 
     def param_placements(self, module):
@@ -298,13 +302,10 @@ class ExpertParallel(ParallelStyle):
         _check_expert_parallel(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, self.param_placements(module), device_mesh, src_data_rank)
-        replace_forward(
-            module, _expert_parallel_forward, inner=module.forward, mesh=device_mesh,
-            input_layouts=self.input_layouts, use_local_output=self.use_local_output,
+        return _apply_expert_style(
+            self, "ExpertParallel", module, device_mesh, src_data_rank, _expert_parallel_forward,
+            input_layouts=self.input_layouts,
         )
-        rules.mark_prepared(module, rules.BOTH_STAGES, "ExpertParallel")
-        return module
 
 
 class ExpertTensorParallel(ParallelStyle):
@@ -343,10 +344,8 @@ class ExpertTensorParallel(ParallelStyle):
 
     def __post_init__(self):
         name = "ExpertTensorParallel"
-        layout = rules.single_layout(self.input_layouts, "input_layouts", name, Replicate())
-        self.input_layouts = _require_token_layout(layout, "input_layouts", name)
-        layout = rules.single_layout(self.output_layouts, "output_layouts", name, Replicate())
-        self.output_layouts = _require_token_layout(layout, "output_layouts", name, (*_TOKENS, Partial()))
+        self.input_layouts = _token_layout_argument(self.input_layouts, "input_layouts", name)
+        self.output_layouts = _token_layout_argument(self.output_layouts, "output_layouts", name, (*_TOKENS, Partial()))
         self.use_local_output = rules.flag(self.use_local_output, "use_local_output", name)
 
     def param_placements(self, module):
@@ -356,14 +355,21 @@ class ExpertTensorParallel(ParallelStyle):
         _check_expert_tensor_parallel(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, self.param_placements(module), device_mesh, src_data_rank)
-        replace_forward(
-            module, _expert_tensor_parallel_forward, inner=module.forward, mesh=device_mesh,
+        return _apply_expert_style(
+            self, "ExpertTensorParallel", module, device_mesh, src_data_rank, _expert_tensor_parallel_forward,
             input_layouts=self.input_layouts, output_layouts=self.output_layouts,
-            use_local_output=self.use_local_output,
         )
-        rules.mark_prepared(module, rules.BOTH_STAGES, "ExpertTensorParallel")
-        return module
+
+
+def _apply_expert_style(style, name: str, module: nn.Module, device_mesh, src_data_rank, forward, **layouts):
+    """Both expert styles' ``apply_to``: distribute the style's parameter placements, then run
+    ``forward`` (bound to the mesh, ``layouts`` and ``use_local_output``) as the module's forward."""
+    distribute_parameters(module, style.param_placements(module), device_mesh, src_data_rank)
+    replace_forward(
+        module, forward, inner=module.forward, mesh=device_mesh, use_local_output=style.use_local_output, **layouts
+    )
+    rules.mark_prepared(module, rules.BOTH_STAGES, name)
+    return module
 
 
 # ---------------------------------------------------------------------------- routing summary

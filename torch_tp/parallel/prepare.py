@@ -22,11 +22,48 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, to_dtensor
 from torch_tp.parallel import rules
-from torch_tp.parallel.style import ParallelStyle
+from torch_tp.parallel._style_base import ParallelStyle
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
+__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "LayoutMismatchError"]
 
 Layouts = Placement | tuple[Placement | None, ...] | None
+
+
+class LayoutMismatchError(ValueError, AssertionError):
+    """A ``PrepareModule*`` style's layouts and desired layouts do not describe the same values.
+
+    Raised when one of a pair is given without the other, or the two have different lengths
+    (or, for keyword inputs, ``desired_input_kwarg_layouts`` names a key that
+    ``input_kwarg_layouts`` does not). A ``ValueError`` like torch_tp's other argument errors,
+    and an ``AssertionError``, the type upstream's ``PrepareModuleInput`` and
+    ``PrepareModuleOutput`` raise for the same mistakes, so ``except AssertionError`` written
+    for upstream still catches it.
+
+    Example::
+
+        >>> try:
+        ...     PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=Replicate())
+        ... except AssertionError as error:  # upstream's type
+        ...     print(type(error).__name__, isinstance(error, ValueError))
+        LayoutMismatchError True
+    """
+
+
+def _paired(layouts: object, desired: object, names: tuple[str, str]) -> tuple[tuple | None, tuple | None]:
+    """:func:`rules.paired_layouts`, raising :class:`LayoutMismatchError` when the two do not pair up."""
+    layouts, desired = rules.layout_tuple(layouts, names[0]), rules.layout_tuple(desired, names[1])  # TypeError as is
+    try:
+        return rules.paired_layouts(layouts, desired, names)
+    except ValueError as err:
+        raise LayoutMismatchError(str(err)) from None
+
+
+def _paired_kwargs(layouts: object, desired: object) -> tuple[dict, dict]:
+    """:func:`rules.kwarg_layouts`, raising :class:`LayoutMismatchError` when the two do not pair up."""
+    try:
+        return rules.kwarg_layouts(layouts, desired)
+    except ValueError as err:
+        raise LayoutMismatchError(str(err)) from None
 
 
 # ------------------------------------------------------------------- forward hooks
@@ -100,7 +137,7 @@ def _require_flags(style: ParallelStyle) -> None:
 def _required_output_layouts(layouts: object, desired: object) -> tuple[tuple, tuple]:
     if layouts is None:
         raise ValueError("PrepareModuleOutput needs output_layouts (one entry per output)")
-    return rules.paired_layouts(layouts, desired, ("output_layouts", "desired_output_layouts"))
+    return _paired(layouts, desired, ("output_layouts", "desired_output_layouts"))
 
 
 # ------------------------------------------------------------------- styles
@@ -136,10 +173,10 @@ class PrepareModuleInput(ParallelStyle):
     use_local_output: bool = False
 
     def __post_init__(self):
-        self.input_layouts, self.desired_input_layouts = rules.paired_layouts(
+        self.input_layouts, self.desired_input_layouts = _paired(
             self.input_layouts, self.desired_input_layouts, ("input_layouts", "desired_input_layouts")
         )
-        self.input_kwarg_layouts, self.desired_input_kwarg_layouts = rules.kwarg_layouts(
+        self.input_kwarg_layouts, self.desired_input_kwarg_layouts = _paired_kwargs(
             self.input_kwarg_layouts, self.desired_input_kwarg_layouts
         )
         _require_flags(self)

@@ -29,7 +29,24 @@ from torch_tp._layouts import redistribute_to, to_dtensor
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
-__all__ = ["ReplicateParallel", "replicate"]
+__all__ = ["ReplicateParallel", "check_replicate_parallel", "replicate"]
+
+
+def check_replicate_parallel(
+    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None
+) -> None:
+    """Raise if ``ReplicateParallel`` cannot be applied (N-D mesh, parallelized or prepared before).
+
+    Its rule lives beside the style (upstream has no ``ReplicateParallel``), built from
+    :mod:`torch_tp.parallel.rules`' helpers.
+
+    Example::
+
+        >>> check_replicate_parallel(nn.LayerNorm(8), 2, "q_norm")
+    """
+    rules.require_1d_mesh(device_mesh, "ReplicateParallel")
+    rules.require_plain_parameters(module, "ReplicateParallel", module_path)
+    rules.require_unprepared(module, rules.BOTH_STAGES, "ReplicateParallel", module_path)
 
 
 def _replicated_input(value, layout, desired, device_mesh):
@@ -141,7 +158,7 @@ class ReplicateParallel(ParallelStyle):
         return rules.replicated_placements(module)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_replicate_parallel(module, device_mesh, module_path)
+        check_replicate_parallel(module, device_mesh, module_path)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         distribute_parameters(module, rules.replicated_placements(module), device_mesh, src_data_rank)

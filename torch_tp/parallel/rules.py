@@ -1,5 +1,18 @@
-"""Every rule of torch_tp's tensor-parallel styles, in one place: what a style accepts and where
-it puts parameters.
+"""The rules upstream's tensor-parallel styles must obey too, and the helpers every style's rules
+are made of: what a style accepts and where it puts parameters.
+
+What lives here, and what does not:
+
+* the rules of the styles that exist upstream (``ColwiseParallel``, ``RowwiseParallel``,
+  ``SequenceParallel``, ``PrepareModuleInput`` / ``Output``): ``parallelize_module`` applies
+  them to torch_tp's styles and to upstream's own style objects alike
+  (:mod:`torch_tp.parallel._upstream` reads them from here), so they cannot live beside one
+  class;
+* the helpers every style builds its rules from (below);
+* not the rules of torch_tp's own styles, which upstream lacks: each lives beside its style,
+  built from these helpers (``ReplicateParallel``: :mod:`torch_tp.parallel.replicate`;
+  ``ExpertParallel`` / ``ExpertTensorParallel``: :mod:`torch_tp.parallel.experts`;
+  ``SpatialParallel``: :mod:`torch_tp.conv.spatial`).
 
 Three kinds of rule live here, each once:
 
@@ -15,9 +28,6 @@ Three kinds of rule live here, each once:
   and the real application cannot disagree. A packed (fused) weight, ``k`` matrices stacked
   along the sharded dim, is placed by :func:`packed_shard`: each rank holds its slice of
   every part.
-
-Styles defined outside :mod:`torch_tp.parallel` (:class:`torch_tp.SpatialParallel`) build
-their own rules from the same helpers.
 
 Example::
 
@@ -55,7 +65,6 @@ __all__ = [
     "check_colwise",
     "check_rowwise",
     "check_sequence_parallel",
-    "check_replicate_parallel",
     "check_prepare_input",
     "check_prepare_output",
     "colwise_placements",
@@ -447,15 +456,13 @@ def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module
 # ---------------------------------------------------------------------------- checks
 
 
-def check_colwise(
-    module: nn.Module,
-    device_mesh: DeviceMesh | int,
-    module_path: str | None = None,
-    *,
-    overlap: bool = False,
-    packed: int = 1,
-) -> None:
+def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
+                  overlap: bool = False, packed: int = 1) -> None:
     """Raise if ``ColwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+
+    It splits an ``nn.Linear``'s output features (weight dim 0) or an ``nn.Embedding``'s
+    embedding dim (weight dim 1); each rank must get at least one of them, of every part of
+    a ``packed`` weight.
 
     Example::
 
@@ -469,15 +476,14 @@ def check_colwise(
     )
 
 
-def check_rowwise(
-    module: nn.Module,
-    device_mesh: DeviceMesh | int,
-    module_path: str | None = None,
-    *,
-    overlap: bool = False,
-    packed: int = 1,
-) -> None:
+def check_rowwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
+                  overlap: bool = False, packed: int = 1) -> None:
     """Raise if ``RowwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
+
+    It splits an ``nn.Linear``'s input features (weight dim 1) or an ``nn.Embedding``'s
+    vocabulary (weight dim 0). A vocabulary shard looks up only its own rows, so the
+    embedding options that need the whole table (``max_norm``, ``scale_grad_by_freq``,
+    ``sparse``) are refused.
 
     Example::
 
@@ -507,6 +513,7 @@ def _check_linear_or_embedding(
     if overlap:
         _require_linear(module, style, "overlap=True", "fuses an nn.Linear's matmul with its communication",
                         "overlap=False", module_path)
+        _require_linear_forward(module, style, module_path)
     if not colwise and isinstance(module, nn.Embedding):
         _require_local_lookup(module, style, module_path)
 
@@ -529,6 +536,18 @@ def _require_linear(module: nn.Module, style: str, setting: str, why: str, fix: 
         raise UnsupportedModuleError(
             f"{style}({setting}) cannot handle {describe(module, module_path)}: it {why}; use "
             f"{fix} for this module"
+        )
+
+
+def _require_linear_forward(module: nn.Module, style: str, module_path) -> None:
+    """``overlap=True`` runs the fused ``F.linear``, not the module's forward: a subclass with a
+    forward of its own (a scale, an activation after the matmul) would silently lose it."""
+    if type(module).forward is not nn.Linear.forward:
+        raise UnsupportedModuleError(
+            f"{style}(overlap=True) cannot handle {describe(module, module_path)}: "
+            f"{type(module).__qualname__} has its own forward, which the fused all-gather/matmul "
+            f"would replace with nn.Linear's (whatever else it computes would be lost); use "
+            f"overlap=False for this module"
         )
 
 
@@ -564,20 +583,6 @@ def check_sequence_parallel(
                 f"shard it with ColwiseParallel/RowwiseParallel instead"
             )
     require_unprepared(module, BOTH_STAGES, style, module_path)
-
-
-def check_replicate_parallel(
-    module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None
-) -> None:
-    """Raise if ``ReplicateParallel`` cannot be applied (N-D mesh, parallelized or prepared before).
-
-    Example::
-
-        >>> check_replicate_parallel(nn.LayerNorm(8), 2, "q_norm")
-    """
-    require_1d_mesh(device_mesh, "ReplicateParallel")
-    require_plain_parameters(module, "ReplicateParallel", module_path)
-    require_unprepared(module, BOTH_STAGES, "ReplicateParallel", module_path)
 
 
 def check_prepare_input(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None) -> None:

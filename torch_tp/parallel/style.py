@@ -22,8 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -31,99 +29,27 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import style as _upstream
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, to_dtensor
 from torch_tp.parallel import _overlap, rules
+from torch_tp.parallel._style_base import ParallelStyle
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
+
+# upstream defines these in its style.py, and upstream code imports them from ``.style``
+from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 
 __all__ = [
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
     "distribute_parameters",
     "name_plain_tensors_on_error",
 ]
-
-
-class ParallelStyle(_upstream.ParallelStyle):
-    """Base class of torch_tp's styles: a description of how to parallelize one module.
-
-    Subclasses become keyword-only dataclasses of their annotated fields, normalize them in
-    ``__post_init__`` and implement :meth:`check` (raise if the module cannot be handled,
-    without changing it) and :meth:`apply_to` (do it, without checking again). Equality,
-    hashing and the upstream-shaped ``repr`` come from the dataclass fields; fields listed
-    in ``_additive_defaults`` (torch_tp-only settings) are left out of ``repr`` at their default.
-
-    Example::
-
-        >>> ColwiseParallel() == ColwiseParallel(input_layouts=Replicate())
-        True
-    """
-
-    #: torch_tp-only settings (absent upstream), left out of ``repr`` at these defaults
-    _additive_defaults: ClassVar[dict[str, Any]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        # Every style is a keyword-only dataclass of its settings; equality, hashing and
-        # repr are this class's (a subclass that writes its own __init__ keeps it).
-        super().__init_subclass__(**kwargs)
-        dataclasses.dataclass(kw_only=True, eq=False, repr=False)(cls)
-
-    def check(self, module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None) -> None:
-        """Raise if this style cannot be applied to ``module`` on ``device_mesh``; change nothing."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement check")
-
-    def apply_to(
-        self,
-        module: nn.Module,
-        device_mesh: DeviceMesh,
-        *,
-        src_data_rank: int | None = 0,
-        module_path: str | None = None,
-    ) -> nn.Module:
-        """Parallelize ``module`` in place and return it (call :meth:`check` first)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement apply_to")
-
-    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        """Where applying this style puts each parameter of ``module`` (none by default)."""
-        return {}
-
-    def link_siblings(self, modules: Sequence[nn.Module], where: str) -> None:
-        """Called once with the sibling modules one plan entry gave this style; nothing by default."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # Upstream's entry point: upstream's parallelize_module sets self.src_data_rank first.
-        self.check(module, device_mesh)
-        return self.apply_to(module, device_mesh, src_data_rank=self.src_data_rank)
-
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
-        return tuple((f.name, _hashable(getattr(self, f.name))) for f in dataclasses.fields(self))
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return self._settings() == other._settings()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self._settings()))
-
-    def __repr__(self) -> str:
-        shown = (
-            f"{f.name}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if self._additive_defaults.get(f.name, _ALWAYS) != getattr(self, f.name)
-        )
-        return f"{type(self).__name__}({', '.join(shown)})"
-
-
-_ALWAYS = object()
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
 def distribute_parameters(
@@ -180,27 +106,47 @@ def _plain_tensors(module: nn.Module) -> list[str]:
     return [name for name, t in tensors if t is not None and not isinstance(t, DTensor)]
 
 
-def _forward_naming_plain_tensors(module, *args, inner, module_path, style, plain, **kwargs):
+#: the second fix the error offers, by default: the module sees local tensors instead
+_CONVERT_INPUTS = "parallelize the module that uses them with a style that converts its inputs back to local tensors"
+
+
+def _forward_naming_plain_tensors(module, *args, inner, module_path, style, plain, alternative, **kwargs):
     try:
         return inner(*args, **kwargs)
     except RuntimeError as err:
         if "mixed torch.Tensor and DTensor" not in str(err):
             raise
+        owner = "module" if module_path is None else f"model.{module_path}" if module_path else "model"
+        example = f"{owner}.{plain[0]}"
+        fix = (
+            f"Make them DTensors too: after parallelizing, e.g. {example} = DTensor.from_local("
+            f"{example}, mesh, [Replicate()]) (each rank's copy must hold the same values; DTensor "
+            f"then slices or combines it with the sharded activations as each op needs)"
+        )
         raise RuntimeError(
             f"{style} on {rules.describe(module, module_path)}: its forward mixed DTensors with the "
-            f"plain tensors {plain} it holds ({err}). Make them DTensors too (e.g. a buffer "
-            f"registered as DTensor.from_local(buffer, mesh, [Replicate()])), or parallelize the "
-            f"module that uses them with a style that converts its inputs back to local tensors"
+            f"plain tensors {plain} it holds ({err}). {fix}{f', or {alternative}' if alternative else ''}"
         ) from err
 
 
-def name_plain_tensors_on_error(module: nn.Module, style: str, module_path: str | None) -> None:
+def name_plain_tensors_on_error(
+    module: nn.Module, style: str, module_path: str | None, *, alternative: str | None = _CONVERT_INPUTS
+) -> None:
     """If ``module`` keeps plain tensors while running on DTensors, make its forward name them on error.
 
     DTensor refuses an op mixing DTensors and plain tensors without saying whose they are; a
     module whose style hands it DTensors but that owns a plain buffer (or parameter) then gets
-    a forward that re-raises that error with the module path and the tensors' names. Modules
-    without plain tensors are left untouched (nothing in their forward changes).
+    a forward that re-raises that error with the style, the module path and the tensors'
+    names, and how to make them DTensors (``alternative``, when given, is a second fix the
+    message offers). Modules without plain tensors are left untouched (nothing in their
+    forward changes). Every style whose module computes on DTensors calls it: Colwise and
+    Rowwise (an ``nn.Linear`` subclass that scales its output by a buffer), SequenceParallel,
+    ReplicateParallel and SpatialParallel.
+
+    Keyword Args:
+        alternative (str, optional): the fix offered besides making the tensors DTensors;
+            ``None`` offers none. Default: parallelize the module with a style that converts
+            its inputs back to local tensors.
 
     Example::
 
@@ -210,7 +156,7 @@ def name_plain_tensors_on_error(module: nn.Module, style: str, module_path: str 
     plain = _plain_tensors(module)
     if plain:
         replace_forward(module, _forward_naming_plain_tensors, inner=module.forward, module_path=module_path,
-                        style=style, plain=plain)
+                        style=style, plain=plain, alternative=alternative)
 
 
 # ------------------------------------------------------------------- forward hooks
@@ -353,6 +299,8 @@ class ColwiseParallel(_LinearStyle):
         module.register_forward_hook(partial(
             _output_to, layout=self.output_layouts, use_local_output=self.use_local_output, packed=self.packed
         ))
+        # a subclass's own forward (output * buffer) runs on DTensors: name its plain buffers on error
+        name_plain_tensors_on_error(module, "ColwiseParallel", module_path, alternative=None)
         rules.mark_prepared(module, rules.BOTH_STAGES, "ColwiseParallel")
         return module
 
@@ -431,6 +379,7 @@ class RowwiseParallel(_LinearStyle):
         module.register_forward_hook(
             partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
         )
+        name_plain_tensors_on_error(module, "RowwiseParallel", module_path, alternative=None)
         rules.mark_prepared(module, rules.BOTH_STAGES, "RowwiseParallel")
         return module
 

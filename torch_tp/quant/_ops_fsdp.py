@@ -161,3 +161,19 @@ def post_all_gather(local: Int8SymmetricTensor, outputs: tuple, metadata: tuple,
                 mine.copy_(new)
         return None
     return Int8SymmetricTensor(qdata, scale, param_dtype), list(outputs)
+
+
+def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple:
+    """FSDP2's all-gather extension: gather ``qdata`` and ``scale``, not floats (:func:`pre_all_gather`)."""
+    return pre_all_gather(self, mesh, outer_size)
+
+
+def _fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    """FSDP2's all-gather extension: the whole tensor from the gathered bytes (:func:`post_all_gather`)."""
+    return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
+
+# FSDP2 looks the extension up on the class; it registers onto the class from here, as the op
+# tables do (int8_tensor.py imports no op module, so the package has no import cycle)
+Int8SymmetricTensor.fsdp_pre_all_gather = _fsdp_pre_all_gather
+Int8SymmetricTensor.fsdp_post_all_gather = _fsdp_post_all_gather

@@ -165,19 +165,6 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         """The ``scale`` shape a tensor of ``shape`` with this tensor's scale layout has."""
         return torch.Size(size if self.scale_follows(d) else 1 for d, size in enumerate(shape))
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple:
-        """FSDP2's all-gather extension: gather ``qdata`` and ``scale``, not floats
-        (``torch_tp.quant._ops_fsdp``)."""
-        from torch_tp.quant._ops_fsdp import pre_all_gather
-
-        return pre_all_gather(self, mesh, outer_size)
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """FSDP2's all-gather extension: the whole tensor from the gathered bytes."""
-        from torch_tp.quant._ops_fsdp import post_all_gather
-
-        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
-
     def with_data(self, qdata: torch.Tensor, scale: torch.Tensor) -> "Int8SymmetricTensor":
         """A tensor of this class and dtype around new ``qdata`` and ``scale``."""
         return type(self)(qdata, scale, self.dtype)

@@ -6,6 +6,19 @@ Example::
 
 ``TOL`` (``dict(rtol=1e-5, atol=1e-5)``) is the float32 tolerance between a parallel result
 and its single-process reference: ``torch.testing.assert_close(out, ref, **TOL)``.
+
+A parallel model trains like its single-process reference (rank side)::
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    losses = assert_trains_like(model, reference, batches, loss_fn, optimizer=sgd)
+
+One layer on a sharded input matches one process, output and input gradient (rank side)::
+
+    step = assert_sharded_step_matches(replicated_copy(bn, mesh), bn, x, dy, mesh, [Shard(3)])
+
+A tutorial or benchmark runs as users run it (in the parent; ``ROOT`` is the repository root)::
+
+    out = run_script("benchmarks/halo_conv.py", "--quick", timeout=180).stdout
 """
 
 from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes
@@ -15,17 +28,24 @@ from torch_tp.testing._on_ranks import on_ranks
 from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
 from torch_tp.testing._reference import (
     assert_params_and_grads_match,
+    assert_trains_like,
     assert_training_step_matches,
     full_tensor,
     local_chunk,
 )
+from torch_tp.testing._scripts import ROOT, run_script
+from torch_tp.testing._sharded import ShardedStep, assert_sharded_step_matches, replicated_copy, shard_locally
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
+    "ROOT",
     "RankFailure",
+    "ShardedStep",
     "TOL",
     "assert_comm_counts",
     "assert_params_and_grads_match",
+    "assert_sharded_step_matches",
+    "assert_trains_like",
     "assert_training_step_matches",
     "comm_counts",
     "communication_of",
@@ -37,8 +57,11 @@ __all__ = [
     "quantize_weights",
     "rank",
     "record_p2p",
+    "replicated_copy",
     "run_on_ranks",
+    "run_script",
     "sent_bytes",
+    "shard_locally",
     "shutdown_pools",
     "small_llama",
     "small_llama_args",

@@ -7,14 +7,22 @@ naming the parameter that differs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
-__all__ = ["assert_params_and_grads_match", "assert_training_step_matches", "full_tensor", "local_chunk"]
+__all__ = [
+    "assert_params_and_grads_match",
+    "assert_trains_like",
+    "assert_training_step_matches",
+    "full_tensor",
+    "local_chunk",
+]
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -80,18 +88,28 @@ def assert_training_step_matches(
     reference: nn.Module,
     inputs: Any,
     targets: Any,
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     *,
     rtol: float = 1e-5,
     atol: float = 1e-5,
     params: bool = True,
     what: str = "",
+    module_inputs: Callable[[Any], Any] | None = None,
+    expected_output: Callable[[Any], Any] | None = None,
 ) -> float:
     """Run forward and backward of ``module`` and ``reference`` on one batch; assert they agree.
 
     Outputs and losses (``loss_fn(output, targets)``) must match, then every parameter (unless
-    ``params=False``) and gradient, as in :func:`assert_params_and_grads_match`. The optimizer
-    step is the caller's. Returns ``module``'s loss as a float.
+    ``params=False``) and gradient, as in :func:`assert_params_and_grads_match`. DTensors in
+    the outputs or losses are compared as full tensors. The optimizer step is the caller's
+    (or use :func:`assert_trains_like`). Returns ``module``'s loss as a float.
+
+    Keyword Args:
+        module_inputs: what ``module`` is given instead of ``inputs`` (``reference`` always
+            gets ``inputs``), e.g. this rank's strip of an image.
+        expected_output: maps ``reference``'s output to what ``module``'s output must equal,
+            e.g. this rank's strip of it; the module's loss must then equal ``loss_fn`` of
+            that (while ``reference`` backpropagates its own loss).
 
     Example::
 
@@ -100,12 +118,90 @@ def assert_training_step_matches(
         ...     loss = assert_training_step_matches(model, reference, tokens, targets, loss_fn, what=f"step {step}")
         ...     optimizer.step(); ref_optimizer.step()
     """
+    loss, _, _ = _training_step(
+        module, reference, inputs, targets, loss_fn, rtol=rtol, atol=atol, params=params, what=what,
+        module_inputs=module_inputs, expected_output=expected_output,
+    )
+    return full_tensor(loss).item()
+
+
+def assert_trains_like(
+    module: nn.Module,
+    reference: nn.Module,
+    batches: Iterable[tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer],
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    params: bool = True,
+    what: str = "",
+    module_inputs: Callable[[Any], Any] | None = None,
+    expected_output: Callable[[Any], Any] | None = None,
+    check: Callable[[Any, Any], None] | None = None,
+) -> list[float]:
+    """Train ``module`` and ``reference`` side by side, one step per batch; assert every step agrees.
+
+    Each model gets its own ``optimizer(model.parameters())``. For each ``(inputs, targets)``
+    of ``batches``: :func:`assert_training_step_matches` (outputs, losses, parameters and
+    gradients; messages name ``"<what> step <i>"``), then ``check(output, reference_output)``
+    if given, then a step and ``zero_grad()`` of both optimizers. ``batches`` is read one batch
+    per step, so a generator drawing from the global RNG draws in the order a hand-written
+    loop would. Returns ``module``'s losses as floats.
+
+    Keyword Args:
+        optimizer: makes an optimizer from parameters, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1)``.
+        module_inputs, expected_output: as in :func:`assert_training_step_matches`.
+        check: the test's own assertions on each step's raw outputs (placements, types),
+            before the optimizers step.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> batches = ((torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3))
+        >>> sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        >>> losses = assert_trains_like(model, reference, batches, loss_fn, optimizer=sgd)
+        >>> losses[-1] < losses[0]
+        True
+    """
+    optimizers = [optimizer(m.parameters()) for m in (module, reference)]
+    losses = []
+    for step, (inputs, targets) in enumerate(batches):
+        loss, out, ref_out = _training_step(
+            module, reference, inputs, targets, loss_fn, rtol=rtol, atol=atol, params=params,
+            what=f"{what} step {step}".lstrip(), module_inputs=module_inputs, expected_output=expected_output,
+        )
+        if check is not None:
+            check(out, ref_out)
+        for each in optimizers:
+            each.step()
+            each.zero_grad()
+        losses.append(full_tensor(loss).item())
+    return losses
+
+
+def _training_step(module, reference, inputs, targets, loss_fn, *, rtol, atol, params, what, module_inputs,
+                   expected_output):
+    """One forward and backward of both, compared; returns ``module``'s loss and both outputs."""
     prefix = f"{what} " if what else ""
-    out, ref_out = module(inputs), reference(inputs)
-    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol, msg=lambda m: f"{prefix}output: {m}")
+    out = module(inputs if module_inputs is None else module_inputs(inputs))
+    ref_out = reference(inputs)
+    expected = ref_out if expected_output is None else expected_output(ref_out)
+    torch.testing.assert_close(
+        _full(out), _full(expected), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}output: {m}"
+    )
     loss, ref_loss = loss_fn(out, targets), loss_fn(ref_out, targets)
-    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=lambda m: f"{prefix}loss: {m}")
+    expected_loss = ref_loss if expected_output is None else loss_fn(expected, targets)
+    torch.testing.assert_close(
+        _full(loss), _full(expected_loss), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}loss: {m}"
+    )
     loss.backward()
     ref_loss.backward()
     assert_params_and_grads_match(module, reference, rtol=rtol, atol=atol, params=params, what=what)
-    return loss.item()
+    return loss, out, ref_out
+
+
+def _full(value: Any) -> Any:
+    """``value`` with every DTensor in it (a tensor, or tuples, lists, dicts of them) made whole."""
+    return tree_map(full_tensor, value)
