@@ -17,7 +17,11 @@ process that loads it. Only the tensors are read with ``torch.load(weights_only=
   and the classes registered with ``torch.serialization.add_safe_globals`` (such as
   :class:`~torch_tp.quant.Int8SymmetricTensor`);
 - the data files after checking that each one holds every byte the metadata points to, so a
-  truncated, missing or unreadable file raises an error naming it.
+  truncated, missing or unreadable file raises an error naming it;
+- no file through a symlink: ``.metadata``, each data file the metadata names, and every folder
+  on the way to one must be real entries of the checkpoint directory (the directory itself
+  may be a link), and the names must be relative without ``..``, so nothing outside the
+  directory is read. Every rank checks every data file before any rank reads one.
 
 :func:`save` is ``dcp.save`` to a local directory. See ``docs/checkpoint.md``.
 
@@ -40,6 +44,7 @@ import os
 import pathlib
 import pickle
 import re
+import stat
 import warnings
 from typing import Any, Iterator
 
@@ -115,7 +120,9 @@ def load(
         pickle.UnpicklingError: a pickle names a global outside the allowlist (the message
             names the file and the global), or ``.metadata`` is truncated or corrupted.
         FileNotFoundError: ``.metadata`` or a data file is missing.
-        RuntimeError: a data file is truncated or cannot be read (the message names it).
+        RuntimeError: a data file is truncated or cannot be read, or a file of the checkpoint
+            (or a folder on the way to it) is a symlink or not a regular file, refused before
+            anything is read (the message names it).
 
     Example::
 
@@ -150,7 +157,8 @@ class SafeFileSystemReader(_dcp_filesystem.FileSystemReader):
     non-tensor value unpickled with ``torch.load(weights_only=True)`` and pickled again, so even
     a planner that calls ``torch.load(weights_only=False)`` (DCP's default) receives only what
     that allowlist builds. A refused ``.metadata`` is not replaced by a rank-local
-    ``__<rank>.metadata``, and metadata that points outside the directory is refused.
+    ``__<rank>.metadata``, and metadata that points outside the directory, or a symlink in
+    it, is refused.
 
     Args:
         path: the checkpoint directory.
@@ -175,11 +183,15 @@ class SafeFileSystemReader(_dcp_filesystem.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        if rank is not None and isinstance(self._failure, _CheckpointPickleError):
+        if rank is not None and isinstance(self._failure, _REFUSALS):
             raise self._failure  # DCP's fallback to __<rank>.metadata must not bypass a refusal
-        path = pathlib.Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        directory = pathlib.Path(self.path)
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
         try:
-            metadata = _read_metadata_file(path)
+            _require_regular_file(directory, name)
+            metadata = _read_metadata_file(directory / name)
+            for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
+                _require_regular_file(directory, data_file)  # every rank, before any rank reads
         except Exception as error:
             if rank is None or not isinstance(error, FileNotFoundError) or self._failure is None:
                 self._failure = error  # a missing __<rank>.metadata keeps the error of .metadata
@@ -194,6 +206,7 @@ class SafeFileSystemReader(_dcp_filesystem.FileSystemReader):
         ends, self._reading = self._file_ends(plan), None
         try:
             for name, (end, fqn) in ends.items():
+                _require_regular_file(pathlib.Path(self.path), name)
                 _require_length(pathlib.Path(self.path) / name, end, fqn)
             return super().read_data(plan, _SafeBytesPlanner(planner, self))
         except _FILE_ERRORS as error:
@@ -284,7 +297,13 @@ class _CheckpointMissingFile(FileNotFoundError):
     """A file the checkpoint needs does not exist."""
 
 
-_FILE_ERRORS = (_CheckpointPickleError, _CheckpointFileError, _CheckpointMissingFile)
+class _CheckpointLinkError(RuntimeError):
+    """A file of the checkpoint, or a folder on the way to it, is a symlink (or not a regular file)."""
+
+
+_FILE_ERRORS = (_CheckpointPickleError, _CheckpointFileError, _CheckpointMissingFile, _CheckpointLinkError)
+#: refusals of the checkpoint's content, which DCP's fallback to __<rank>.metadata must not bypass
+_REFUSALS = (_CheckpointPickleError, _CheckpointLinkError)
 
 
 def _first_file_error(failure: Any) -> Exception | None:
@@ -310,6 +329,45 @@ def _single_process_is_intended(no_dist: bool) -> Iterator[None]:
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def _require_regular_file(directory: pathlib.Path, name: str) -> None:
+    """Refuse ``directory / name`` unless it and every folder between are real entries, not links.
+
+    ``name`` is a relative path without ``..`` (``_check_metadata`` refuses others), so a path
+    whose every component is a real folder or file cannot lead outside ``directory``: checking
+    each component with ``lstat`` is the whole check. The file itself must be a regular file
+    (a FIFO would block the read forever). ``directory`` may be a link (the user named it, e.g.
+    a ``latest`` link to the newest step). A missing file passes here and is reported where it
+    is read.
+    """
+    path, target = directory, directory / name
+    for part in pathlib.PurePosixPath(name).parts:
+        path = path / part
+        try:
+            mode = path.lstat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISLNK(mode):
+            via = "" if path == target else f" on the way to {target}"
+            raise _CheckpointLinkError(
+                f"{_rank_prefix()}{path} is a symlink (to {os.readlink(path)}){via}: refusing to read "
+                f"through it. A checkpoint holds regular files inside its directory, and a link lets the "
+                f"checkpoint make load read any file, so nothing was loaded. If you trust the checkpoint, "
+                f"replace the link with a copy of the file it points to (cp -L), or save the checkpoint again"
+            )
+    if not stat.S_ISREG(mode):
+        raise _CheckpointLinkError(
+            f"{_rank_prefix()}{target} is not a regular file ({_file_kind(mode)}): refusing to read it. A "
+            f"checkpoint holds regular files inside its directory, so nothing was loaded; put the file "
+            f"dcp.save wrote there, or save the checkpoint again"
+        )
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((kind for test, kind in kinds.items() if test(mode)), f"mode {stat.filemode(mode)}")
 
 
 def _require_length(path: pathlib.Path, end: int, fqn: str) -> None:

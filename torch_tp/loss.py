@@ -144,6 +144,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ``group``). Saves the local logits (the input, so no extra memory), ``lse (N,)``, the
     local target column and masks; the backward recomputes ``softmax = exp(x - lse)``
     instead of saving an ``(N, Vl)`` tensor, and issues no collective.
+
+    Every op computes in one dtype, ``x``'s (float32 for bfloat16 or float16 logits): Python
+    constants such as ``1 - eps`` enter only as scalar arguments of ops on tensors of that
+    dtype (``masked_fill``, ``mul``, ``sub_``), never through a tensor built from Python
+    floats, which would be float32 (``torch.where(mask, -(1 - eps), 0.0)``) and round a
+    float64 loss's gradient to float32 precision.
     """
 
     @staticmethod
@@ -168,7 +174,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_token = lse - (1 - eps) * sums[1]
         if eps:
             per_token = per_token - eps * sums[2] / vocab
-        per_token = torch.where(valid, per_token, 0.0)
+        per_token = per_token.masked_fill(~valid, 0)
         count = valid.sum()
         ctx.save_for_backward(x_local, lse, column, owned, valid, count)
         ctx.eps, ctx.vocab, ctx.reduction = eps, vocab, reduction
@@ -185,12 +191,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_token = grad_loss.to(lse.dtype)
         if ctx.reduction == "mean":
             grad_token = grad_token / count
-        grad_token = torch.where(valid, grad_token, 0.0)  # also 0 where count is 0 (loss nan)
+        grad_token = grad_token.masked_fill(~valid, 0)  # also 0 where count is 0 (loss nan)
         grad = torch.exp(x_local.to(lse.dtype) - lse[:, None])
         if eps:
             grad.sub_(eps / ctx.vocab)
         if grad.shape[-1]:
-            hit = torch.where(owned, -(1.0 - eps), 0.0).to(grad.dtype)
+            hit = torch.zeros_like(lse).masked_fill_(owned, -(1.0 - eps))
             grad.scatter_add_(1, column[:, None], hit[:, None])
         grad.mul_(grad_token[:, None])
         return grad.to(x_local.dtype), None, None, None, None, None, None, None
@@ -200,7 +206,7 @@ def _owned_logit(x: torch.Tensor, column: torch.Tensor, owned: torch.Tensor) -> 
     """The target's logit on the rank whose slice holds it, 0 elsewhere (and on empty slices)."""
     if not x.shape[-1]:
         return x.new_zeros(x.shape[:-1])
-    return torch.where(owned, x.gather(1, column[:, None]).squeeze(1), 0.0)
+    return x.gather(1, column[:, None]).squeeze(1).masked_fill(~owned, 0)
 
 
 def _vocab_axis(logits: Any) -> int:

@@ -2,8 +2,9 @@
 
 Every case runs on real gloo ranks and compares with single-process ``F.cross_entropy`` on the
 full logits: the loss and the logits' gradient (the gathered local gradients) to 1e-6 in
-float32, for label smoothing, ignored tokens, all three reductions, uneven vocab shards (one
-rank holding an empty slice included) and a ("dp", "tp") mesh. A small Llama whose output head
+float32 and to 1e-12 in float64 (every op computes in the logits' dtype), for label
+smoothing, ignored tokens, all three reductions, uneven vocab shards (one rank holding an
+empty slice included) and a ("dp", "tp") mesh. A small Llama whose output head
 returns vocab-sharded logits trains one step like the single-process model (TP and TP + SP
 plans). The forward issues exactly two all-reduces and the backward none, every
 tensor-parallel rank gets the same loss bit for bit, and no op on a rank allocates more than
@@ -39,6 +40,8 @@ from torch_tp.testing import (
 
 # float32, one process vs vocab slices: only the order of a few sums differs.
 EXACT = dict(rtol=1e-6, atol=1e-6)
+# float64: the same sums in another order, each exact to the last few bits
+FLOAT64_EXACT = dict(rtol=1e-12, atol=1e-12)
 SEQ = 5
 VOCAB = small_llama_args().vocab_size
 
@@ -55,14 +58,14 @@ CASES = {
 REDUCTIONS = ["mean", "sum", "none"]
 
 
-def _inputs(vocab, ignored, *, batch=2, ignore_index=-100, seed=0):
+def _inputs(vocab, ignored, *, batch=2, ignore_index=-100, seed=0, dtype=torch.float32):
     """Full logits ``(batch, SEQ, vocab)``, targets (some ignored) and weights for a ``"none"`` loss."""
     gen = torch.Generator().manual_seed(seed)
-    logits = 3 * torch.randn(batch, SEQ, vocab, generator=gen)
+    logits = 3 * torch.randn(batch, SEQ, vocab, generator=gen, dtype=dtype)
     target = torch.randint(0, vocab, (batch, SEQ), generator=gen)
     if ignored:
         target[0, 1] = target[-1, 3] = target[-1, 4] = ignore_index
-    weights = torch.rand(batch, SEQ, generator=gen)
+    weights = torch.rand(batch, SEQ, generator=gen, dtype=dtype)
     return logits, target, weights
 
 
@@ -122,6 +125,58 @@ def test_every_rank_gets_the_same_loss_from_two_forward_all_reduces_and_no_backw
     for _, forward, backward in results:
         assert_comm_counts(forward, {"all_reduce": 2}, "forward: MAX, then one SUM of the stacked sums")
         assert_comm_counts(backward, {}, "backward: local")
+
+
+# ----------------------------------------------------------------------------- float64
+
+
+class _FloatDtypes(TorchDispatchMode):
+    """Every floating dtype an op outputs on this rank, with the first op that output it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+                self.seen.setdefault(t.dtype, str(func))
+        return out
+
+
+F64_CASES = ["plain", "label_smoothing", "ignore_index_in_vocab_with_smoothing", "uneven_vocab_10",
+             "vocab_3_one_empty_slice"]
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", F64_CASES)
+@on_ranks(2, 4)
+def test_float64_loss_and_grad_equal_full_logits_loss_to_float64_precision(case, reduction):
+    vocab, ignored, kwargs = CASES[case]
+    full, target, weights = _inputs(vocab, ignored, ignore_index=kwargs.get("ignore_index", -100),
+                                    dtype=torch.float64)
+    logits = distribute_tensor(full, tp_mesh(), [Shard(-1)]).requires_grad_()
+    loss = cross_entropy(logits, target, reduction=reduction, **kwargs)
+    _backward(loss, weights)
+    (ref_loss,), ref_grad = _reference(full, target, weights, [slice(None)], reduction=reduction, **kwargs)
+    assert loss.dtype == logits.grad.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, **FLOAT64_EXACT)
+    # a float32 piece anywhere (e.g. torch.where on two Python floats) leaves errors of ~1e-9 here
+    torch.testing.assert_close(logits.grad.full_tensor(), ref_grad, **FLOAT64_EXACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@on_ranks(2, 4)
+def test_every_op_computes_in_the_logits_dtype(dtype):
+    # the mechanism behind the test above: no op, forward or backward, outputs another
+    # floating dtype (a Python scalar or a factory without dtype= gives float32; an upcast float64)
+    full, target, weights = _inputs(10, True, dtype=dtype)
+    logits = distribute_tensor(full, tp_mesh(), [Shard(-1)]).requires_grad_()
+    for reduction in REDUCTIONS:
+        with _FloatDtypes() as mode:
+            _backward(cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction), weights)
+        assert set(mode.seen) == {dtype}, (reduction, mode.seen)
 
 
 # ----------------------------------------------------------------------------- ("dp", "tp") mesh
