@@ -14,7 +14,9 @@ A set enters DTensor's table for one of two reasons, counted apart:
 | explicit | ``install()`` / the module's context manager | the matching ``uninstall()`` | every DTensor op |
 | a spatial model | :func:`hold` (``SpatialParallel`` applied) | the model garbage-collected | inside a spatial model's forward and the backward through it |
 
-Outside those, each entry behaves as the one it replaced: upstream's own handler (DTensor's
+DTensor's table holds one entry per op, a gate, while any set claiming the op is there; two
+sets may claim one op, each for its calls (``when=``: ordinary and transposed convolution
+share ``aten.convolution``). Outside those reasons, each entry behaves as the one it replaced: upstream's own handler (DTensor's
 convolution halo handler) or DTensor's sharding propagation, results and errors alike. So a
 spatial model living in a process changes nothing for the plain DTensor code beside it. A
 handler that meets a layout it does not serve raises :class:`Decline` before communicating,
