@@ -60,7 +60,7 @@ __all__ = [
 
 _MISSING = object()
 _SETS: list["HandlerSet"] = []
-_CLAIMS: dict[Any, list[tuple["HandlerSet", Callable[..., Any], Any]]] = {}  # op -> (set, handler, when)
+_PRESENT: list["HandlerSet"] = []  # the sets in DTensor's table now, in the order they entered
 _GATES: dict[Any, "_Gate"] = {}  # op -> the entry in DTensor's table, while a set claiming it is there
 _ACTIVE = 0  # spatial forwards and backward passes in flight
 
@@ -83,18 +83,19 @@ class _Gate:
         self.op, self.replaced = op, replaced
 
     def handlers(self) -> list[Callable[..., Any]]:
-        """The handlers that claim the op, in registration order."""
-        return [handler for _, handler, _ in _CLAIMS.get(self.op, ())]
+        """The handlers of the sets in the table that claim the op."""
+        return [handler_set.handlers[self.op] for handler_set in _PRESENT if self.op in handler_set.handlers]
 
     def __call__(self, op_call: Any, args: tuple, kwargs: dict) -> Any:
         scoped = _ACTIVE > 0
-        for handler_set, handler, when in _CLAIMS.get(self.op, ()):
-            if not handler_set.present() or not (scoped or handler_set.runs_everywhere()):
+        for handler_set in list(_PRESENT):
+            if self.op not in handler_set.handlers or not (scoped or handler_set.runs_everywhere()):
                 continue
+            when = handler_set.whens.get(self.op)
             if when is not None and not when(args, kwargs or {}):
                 continue
             try:
-                return handler(op_call, args, kwargs)
+                return handler_set.handlers[self.op](op_call, args, kwargs)
             except Decline:
                 continue
         return self._replaced(op_call, args, kwargs)
@@ -140,6 +141,7 @@ class HandlerSet:
         self.owner = owner
         self.serves = tuple(serves)
         self.handlers: dict[Any, Callable[..., Any]] = {}
+        self.whens: dict[Any, Callable[[tuple, dict], bool]] = {}  # op -> which of its calls the set takes
         self._explicit = 0  # outstanding install() calls
         self._holders = 0  # live spatial models that need the set
         if register:
@@ -153,7 +155,8 @@ class HandlerSet:
         def register(handler: Callable[..., Any]) -> Callable[..., Any]:
             for op in ops:
                 self.handlers[op] = handler
-                _CLAIMS.setdefault(op, []).append((self, handler, when))
+                if when is not None:
+                    self.whens[op] = when
             return handler
 
         return register
@@ -168,6 +171,8 @@ class HandlerSet:
 
     # ---- the table
     def _enter_table(self) -> None:
+        if self not in _PRESENT:
+            _PRESENT.append(self)
         table = _dtensor_handlers()
         for op in self.handlers:
             if op not in _GATES:
@@ -177,10 +182,11 @@ class HandlerSet:
     def _leave_table(self) -> None:
         if self.present():
             return
+        _PRESENT.remove(self)
         table = _dtensor_handlers()
         for op in self.handlers:
-            if any(handler_set.present() for handler_set, _, _ in _CLAIMS[op]):
-                continue  # another set still claims it
+            if any(op in handler_set.handlers for handler_set in _PRESENT):
+                continue  # another set in the table still claims it
             gate = _GATES.pop(op)
             if table.get(op) is gate:
                 if gate.replaced is _MISSING:
