@@ -431,10 +431,24 @@ def _run_in_scope(module: nn.Module, sets: tuple) -> None:
     included: registered last, entered first) and the backward through it in the scope where
     their handlers apply (:mod:`torch_tp.conv._registry`)."""
     _registry.hold(module, sets)
-    module.register_forward_pre_hook(_registry.enter_scope, prepend=True)
+    module.register_forward_pre_hook(_enter_scope, prepend=True)
     module.register_forward_hook(_scope_output, always_call=True)
+    # torch.compile runs a spatial model eagerly (a graph break; fullgraph=True refuses at compile
+    # time): traced, its scope hooks would be deferred side effects and its handlers would meet
+    # fake strips, so the halo exchange must not be traced
+    module.forward = torch._dynamo.disable(module.forward, reason=_NOT_TRACED)
 
 
+_NOT_TRACED = ("torch_tp.conv: a SpatialParallel model runs eagerly under torch.compile (its halo exchange "
+               "and scope are not traceable yet); compile the modules around it, or use fullgraph=False")
+
+
+@torch._dynamo.disable(reason=_NOT_TRACED)
+def _enter_scope(module: nn.Module, args: Any) -> None:
+    _registry.enter_scope()
+
+
+@torch._dynamo.disable(reason=_NOT_TRACED)
 def _scope_output(module: nn.Module, inputs: Any, output: Any) -> None:
     _registry.exit_scope()
     _registry.scope_backward(output)
