@@ -35,12 +35,12 @@ __all__ = ["COLLECTIVES", "collective_in_stack", "exception_record", "mismatched
 
 #: torch.distributed functions that are (or wait on) one collective.
 COLLECTIVES = frozenset(
-    """all_reduce all_reduce_coalesced all_gather all_gather_into_tensor all_gather_object
-    all_gather_tensor all_gather_tensor_autograd all_to_all all_to_all_single
-    all_to_all_single_autograd reduce_scatter reduce_scatter_tensor
-    reduce_scatter_tensor_autograd broadcast broadcast_object_list barrier monitored_barrier
-    gather gather_object scatter scatter_object_list reduce send recv isend irecv
-    batch_isend_irecv wait_tensor""".split()
+    """all_reduce all_reduce_coalesced all_gather all_gather_coalesced all_gather_into_tensor
+    all_gather_object all_gather_single all_gather_tensor all_gather_tensor_autograd all_to_all
+    all_to_all_single all_to_all_single_autograd reduce_scatter reduce_scatter_single
+    reduce_scatter_tensor reduce_scatter_tensor_autograd broadcast broadcast_object_list barrier
+    monitored_barrier gather gather_object scatter scatter_object_list reduce send recv isend
+    irecv send_object_list recv_object_list batch_isend_irecv wait_tensor""".split()
 )
 
 # Where torch.distributed runs its collectives (not where it merely checks arguments).

@@ -173,8 +173,28 @@ def _what_it_did(o: RankOutcome) -> str:
     if o.exit_code == 0:
         return f"rank {o.rank} exited with code 0 before its function returned (os._exit, or a library ending the process)"
     if o.exit_code is not None and o.exit_code < 0:
-        return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}"
+        return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}{_abort_reason(o.output)}"
     return f"rank {o.rank} exited with code {o.exit_code}"
+
+
+def _abort_reason(output: str, limit: int = 300) -> str:
+    r"""``": <why>"`` from a rank's last output when native code said why it ended (a C++
+    exception's ``what():`` line, Python's fatal error line), else ``""``: the summary line is
+    what a truncated CI log keeps.
+
+    Example::
+
+        >>> _abort_reason("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        ...               "  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes")
+        ': [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes'
+    """
+    lines = output.splitlines()
+    for marker in ("what():", "Fatal Python error:"):
+        for line in reversed(lines):
+            if marker in line:
+                why = line.split("what():", 1)[-1].strip() if marker == "what():" else line.strip()
+                return f": {why[:limit]}"
+    return ""
 
 
 def _did_not_arrive(absent: RankOutcome, ordered: list[RankOutcome]) -> str:
@@ -243,7 +263,7 @@ def _consequence(o: RankOutcome) -> str:
     if o.state == "raised":
         where = f" in {o.collective}" if o.collective else ""
         return f"rank {o.rank} raised {o.record['type']}{where}: {_first_line(o.record['message'])}"
-    return f"rank {o.rank} ended ({exit_description(o.exit_code)})"
+    return f"rank {o.rank} ended ({exit_description(o.exit_code)}){_abort_reason(o.output)}"
 
 
 # -- one section per rank ----------------------------------------------------------------------

@@ -53,6 +53,7 @@ from torch_tp.testing._report import (
     _Report,
     _build_report,
     _file_size,
+    _out_of_step,
     _parent_side_record,
     _read_from,
     _tail,
@@ -434,8 +435,7 @@ class _WorkerPool:
         conn = self.conns[r]
         try:
             if conn.poll():
-                kind, payload = conn.recv()
-                return _Reply(kind, payload)
+                return _Reply(*conn.recv())
         except (EOFError, OSError):
             pass
         return self._death_reply(r)
@@ -463,7 +463,8 @@ class _WorkerPool:
                 ))
         failed = any(reply.failed for reply in replies.values())
         if not failed and len(replies) == self.size:
-            return results, None
+            out_of_step = _out_of_step(what, self.size, replies)
+            return results, out_of_step
         if failed:
             headline = f"{what} failed on world_size={self.size}"
         else:
