@@ -53,7 +53,6 @@ from torch_tp.testing._report import (
     _Report,
     _build_report,
     _file_size,
-    _out_of_step,
     _parent_side_record,
     _read_from,
     _tail,
@@ -463,8 +462,7 @@ class _WorkerPool:
                 ))
         failed = any(reply.failed for reply in replies.values())
         if not failed and len(replies) == self.size:
-            out_of_step = _out_of_step(what, self.size, replies)
-            return results, out_of_step
+            return results, None
         if failed:
             headline = f"{what} failed on world_size={self.size}"
         else:

@@ -121,7 +121,7 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
         sys.stdout.flush()
         sys.stderr.flush()
     try:
-        return ("ok", pickle.dumps(result), _group_positions())
+        return ("ok", pickle.dumps(result))
     except Exception as exc:
         record = exception_record(exc, with_traceback=False)  # its traceback is set below
         record["traceback"] = (
@@ -129,24 +129,6 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
             "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc()
         )
         return ("error", record)
-
-
-def _group_positions() -> dict[str, tuple[int, list[int]]]:
-    """Each process group this rank belongs to: ``name -> (collectives so far, its ranks)``.
-
-    The parent compares them after every task (:func:`torch_tp.testing._report._out_of_step`):
-    a task that returns on every rank but left one rank a collective ahead on a group would
-    pair different collectives in the next task (gloo aborts a rank, or the ranks hang).
-    """
-    from torch.distributed.distributed_c10d import _world
-
-    positions = {}
-    for group in list(_world.pg_map):
-        try:
-            positions[_world.pg_names[group]] = (group._get_sequence_number_for_group(), dist.get_process_group_ranks(group))
-        except (RuntimeError, KeyError, AttributeError):  # a group without sequence numbers (e.g. a fake one)
-            continue
-    return positions
 
 
 def _adopt_sys_path(parent_path: list[str]) -> None:

@@ -28,7 +28,6 @@ class _Reply:
 
     kind: str  # "ready" | "ok" | "error" (payload: a torch_tp._rank_failure record) | "died"
     payload: Any = None
-    groups: dict[str, tuple[int, list[int]]] | None = None  # "ok": torch_tp.testing._rank._group_positions()
 
     @property
     def failed(self) -> bool:
@@ -68,38 +67,6 @@ def _build_report(
     message = explain(headline, outcomes, footer="The pool was killed and will be respawned on the next call.")
     ordered = root_cause(outcomes)
     return _Report(message, sorted(o.rank for o in ordered), ordered[0].rank if ordered else None)
-
-
-def _out_of_step(what: str, size: int, replies: dict[int, _Reply]) -> _Report | None:
-    """A report when every rank returned but some process group's members made different
-    numbers of collectives on it; ``None`` when every group's members agree.
-
-    The next task would pair one rank's collective with another's different one: gloo aborts a
-    rank ("Received data size doesn't match expected size") or the ranks hang, in a test that
-    did nothing wrong. Caught here, the report names the task that left the group out of step.
-    """
-    counts: dict[str, dict[int, int]] = {}
-    members: dict[str, list[int]] = {}
-    for r, reply in replies.items():
-        for name, (count, ranks) in (reply.groups or {}).items():
-            counts.setdefault(name, {})[r] = count
-            members[name] = ranks
-    for name, by_rank in sorted(counts.items()):
-        if len(set(by_rank.values())) < 2:
-            continue
-        usual = max(set(by_rank.values()), key=lambda c: (list(by_rank.values()).count(c), -c))
-        odd = sorted(r for r, c in by_rank.items() if c != usual)
-        made = "; ".join(f"rank {r} made {c}" for r, c in sorted(by_rank.items()))
-        message = (
-            f"{what} returned on every rank of world_size={size}, but left process group {name!r} "
-            f"(ranks {members[name]}) out of step: counting its collectives so far, {made}. Every rank "
-            f"of a group must make the same collectives: one made on some ranks only (e.g. an error "
-            f"raised after a collective on one rank and before it on another, or an async_op=True "
-            f"work that was never waited on) would pair with a different one in the next call. "
-            f"The pool was killed and will be respawned on the next call."
-        )
-        return _Report(message, odd, odd[0])
-    return None
 
 
 def _outcome(r: int, reply: _Reply | None, stack: str | None, output: str) -> RankOutcome:
