@@ -61,11 +61,20 @@ def run_world(rank_main: Callable[[Any], None], nproc: int, config: Any) -> list
     """Launch ``nproc`` ranks (or use torchrun's) running ``rank_main(config)``; return rank 0's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         config = replace(config, result_path=os.path.join(tmp, "rows.json"))
-        launch(rank_main, config, nproc=nproc)
+        launch(_without_runtime_checks, rank_main, config, nproc=nproc)
         if not os.path.exists(config.result_path):  # a non-zero rank under torchrun
             return []
         with open(config.result_path) as f:
             return json.load(f)
+
+
+def _without_runtime_checks(rank_main: Callable[[Any], None], config: Any) -> None:
+    """Benchmarks measure the plans' own communication and time: torch_tp's forward-time
+    agreement checks are off (``benchmarks/agreement.py`` measures them, turning them on)."""
+    from torch_tp import runtime_checks
+
+    with runtime_checks(False):
+        rank_main(config)
 
 
 def progress(message: str) -> None:
@@ -175,20 +184,24 @@ def parse_arguments(argv: list[str] | None, script: str, doc: str, **defaults: A
 
 
 def report_header(options: argparse.Namespace, *, software: str = "", ranks: str = "", rounds: str = "",
-                  load: bool = True) -> str:
+                  load: bool = True, agreement_checks: bool = False) -> str:
     """The report's first line: versions, backend and CPUs, then rounds and load average.
 
     ``software`` follows torch's version (``"transformers 5.0"``), ``ranks`` the CPU count
-    (``"4 ranks"``), ``rounds`` the warm-up count; ``load=False`` leaves the load average out.
+    (``"4 ranks"``), ``rounds`` the warm-up count; ``load=False`` leaves the load average out;
+    ``agreement_checks=True`` for a script that runs torch_tp's forward-time checks (the driver
+    turns them off for the others).
 
     Example::
 
         >>> report_header(argparse.Namespace(iters=10, warmup=2), ranks="4 ranks", load=False)
-        'torch ..., gloo, ... CPUs, 4 ranks; 10 timed rounds after 2 warm-up'
+        "torch ..., gloo, ... CPUs, 4 ranks; 10 timed rounds after 2 warm-up; torch_tp's forward-time agreement checks off (benchmarks/agreement.py)"
     """
     backend = "nccl" if rank_device().type == "cuda" else "gloo"
     setup = ", ".join(filter(None, (f"torch {torch.__version__}", software, backend, f"{os.cpu_count()} CPUs", ranks)))
     parts = [setup, f"{options.iters} timed rounds after {options.warmup} warm-up{rounds}"]
+    if not agreement_checks:
+        parts.append("torch_tp's forward-time agreement checks off (benchmarks/agreement.py)")
     if load:
         parts.append(f"1-min load average {options.load_before:.1f} before starting")
     return "; ".join(parts)

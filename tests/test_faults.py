@@ -3,15 +3,20 @@
 ``torch_tp.launch`` (torch's elastic agent underneath) and ``torch_tp.testing.run_on_ranks``
 (the persistent gloo pools) run the same faulty functions at world sizes 2 and 4. The last
 rank is the culprit: it raises while the others wait in an all_reduce, calls ``sys.exit(3)``,
-calls ``os._exit(0)``, sleeps forever, calls all_reduce while the others call all_gather, or
-passes 1000 elements where the others pass 4. Each report must put that rank first, with the
-cause (exception text, exit code, signal, stack), within the timeout plus a few seconds.
+calls ``os._exit(0)``, sleeps forever, calls all_reduce while the others call all_gather,
+passes 1000 elements where the others pass 4, is killed by SIGKILL or stopped by SIGSTOP,
+returns while the others wait, or raises an exception that cannot print itself, chained to a
+50 MiB message. Each report must put that rank first, with the cause (exception text, exit
+code, signal, stack), within the timeout plus a few seconds, and stay a few kilobytes long;
+the processes the ranks started must end with the run.
 """
 
+import json
 import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -20,7 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_tp.launch import LaunchFailure, launch
+from torch_tp._orphans import process_state
+from torch_tp._rank_failure import MESSAGE_CHARS, exception_record
+from torch_tp._root_cause import RankOutcome, explain
+from torch_tp.launch import LaunchFailure, _record_for_torchrun, launch
 from torch_tp.testing import RankFailure, run_on_ranks, run_script
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
@@ -78,7 +86,36 @@ def _rowwise_gets_the_wrong_width():
     torch.manual_seed(0)
     layer = parallelize_module(torch.nn.Linear(8, 4), mesh, RowwiseParallel())
     width = 8 // dist.get_world_size() + (1 if dist.get_rank() == _culprit() else 0)
-    layer(torch.ones(2, width))  # its local matmul fails; the others wait in the reduction
+    layer(torch.ones(2, width))  # refused on every rank before the reduction
+
+
+def _starts_a_child_then_signals_itself(sig, pid_dir):
+    """Every rank starts a process of its own; the culprit then sends itself ``sig``."""
+    child = subprocess.Popen(["sleep", "600"])
+    pathlib.Path(pid_dir, f"rank{dist.get_rank()}").write_text(str(child.pid))
+    if dist.get_rank() == _culprit():
+        os.kill(os.getpid(), sig)
+    dist.all_reduce(torch.ones(4))
+
+
+def _returns_early():
+    if dist.get_rank() != _culprit():
+        dist.all_reduce(torch.ones(4))
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("this __str__ is broken")
+
+
+def _raises_what_cannot_be_printed_after_a_50_mib_message():
+    if dist.get_rank() == _culprit():
+        print("z" * (5 << 20), file=sys.stderr, flush=True)  # a 5 MiB line of output
+        try:
+            raise ValueError("y" * (50 << 20))
+        except ValueError as huge:
+            raise _Unprintable() from huge
+    dist.all_reduce(torch.ones(4))
 
 
 def _sums_ranks():
@@ -87,19 +124,19 @@ def _sums_ranks():
     return t.item()
 
 
-def _launch_failure(fn, world_size, **kwargs):
+def _launch_failure(fn, world_size, *args, **kwargs):
     start = time.monotonic()
     with pytest.raises(LaunchFailure) as info:
-        launch(fn, nproc=world_size, timeout=timedelta(seconds=TIMEOUT_S), **kwargs)
+        launch(fn, *args, nproc=world_size, timeout=timedelta(seconds=TIMEOUT_S), **kwargs)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT_S + SLACK_S, elapsed
     return info.value, str(info.value)
 
 
-def _pool_failure(fn, world_size):
+def _pool_failure(fn, world_size, *args):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_on_ranks(fn, world_size, timeout=TIMEOUT_S)
+        run_on_ranks(fn, world_size, *args, timeout=TIMEOUT_S)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT_S + SLACK_S, elapsed
     return info.value, str(info.value)
@@ -205,10 +242,80 @@ def test_a_size_mismatch_names_the_rank_gloo_aborts_and_why(fail, world_size):
 
 @HARNESSES
 def test_a_shape_error_under_rowwise_parallel_on_one_rank_names_that_rank_within_seconds(fail):
-    # the failing rank raises before the reduction; its peers, blocked in it, are stopped (launch)
-    # or reported after it (run_on_ranks) long before the collective timeout
-    error, message, _ = _culprit_named(fail, _rowwise_gets_the_wrong_width, 4, "rank 3 raised RuntimeError: ")
+    # the agreement before the reduction refuses on every rank: the rank with the wrong width is the
+    # root cause (the others' "another rank refused" is a consequence), long before any timeout
+    error, message, _ = _culprit_named(fail, _rowwise_gets_the_wrong_width, 4,
+                                       "rank 3 raised ValueError: RowwiseParallel on '<root>' (Linear): this rank's input has size 3")
     assert "in _rowwise_gets_the_wrong_width" in message.split("[then]")[0], message
+
+
+@HARNESSES
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_rank_killed_by_sigkill_or_stopped_by_sigstop_is_named_and_what_the_ranks_started_ends(fail, sig, tmp_path):
+    # SIGKILL (the OOM killer's) read "exited with code 0" under launch; a stopped rank read the same,
+    # after its peers' timeout plus the agent's 30 s wait on a SIGTERM it could not take
+    error, message = fail(_starts_a_child_then_signals_itself, 2, sig, str(tmp_path))
+    cause = _cause(message)
+    assert error.root_cause_rank == 1, message
+    if sig == signal.SIGKILL:
+        assert cause.startswith("rank 1 was killed by SIGKILL (most often the kernel's OOM killer"), message
+        assert _exit_code(error, 1) in (-9, None), error.exit_codes
+    else:
+        assert cause.startswith("rank 1 was stopped by SIGSTOP"), message
+        first = _first_section(message) + message.split("=====")[2]
+        assert "in _starts_a_child_then_signals_itself" in first, message  # its stack: where it stopped
+    children = [int(path.read_text()) for path in tmp_path.iterdir()]
+    assert len(children) == 2, children
+    deadline = time.monotonic() + 2
+    while (left := [pid for pid in children if process_state(pid) not in (None, "Z")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"the ranks' own processes outlived the run: {left}"
+
+
+@HARNESSES
+def test_a_rank_that_returns_while_its_peers_wait_in_a_collective_is_named_as_the_one_that_returned_early(fail):
+    # launch blamed "different collectives" (its closing barrier), run_on_ranks the waiting rank
+    error, message, _ = _culprit_named(fail, _returns_early, 2,
+                                       "rank {culprit} returned early: its function returned while rank 0 waited in all_reduce")
+    assert error.failed_ranks == [0, 1], message
+
+
+@HARNESSES
+def test_an_exception_that_cannot_print_itself_keeps_its_type_and_50_mib_make_a_report_of_kilobytes(fail):
+    # the type was lost (the record itself raised); a 50 MiB message made a 100 MiB report
+    error, message, _ = _culprit_named(
+        fail, _raises_what_cannot_be_printed_after_a_50_mib_message, 2,
+        "rank {culprit} raised test_faults._Unprintable: <the message could not be formatted: "
+        "str() raised RuntimeError: this __str__ is broken>")
+    assert len(message) < 64 << 10, len(message)
+    first = _first_section(message) + message.split("=====")[2]
+    assert "ValueError: yyyy" in first and "characters cut ..." in first, message  # the chained message, cut
+    assert "raise _Unprintable() from huge" in first, message  # the traceback's ends are kept
+    assert "zzzz" in message, message  # the output, cut too
+
+
+def test_records_and_reports_are_bounded_and_keep_the_type():
+    # what each rank records (both harnesses) and what the report quotes, without starting ranks
+    record = exception_record(ValueError("m" * (50 << 20)))
+    assert len(record["message"]) <= MESSAGE_CHARS and record["message"].startswith("mmm"), len(record["message"])
+    outcome = RankOutcome(1, "raised", record=record, output="o" * (50 << 20))
+    report = explain("f failed", [RankOutcome(0, "ok"), outcome])
+    assert len(report) < 64 << 10 and report.startswith("f failed: rank 1 raised ValueError: mmm"), len(report)
+    unprintable = exception_record(_Unprintable())
+    assert unprintable["type"] == "test_faults._Unprintable", unprintable
+    assert unprintable["message"].startswith("<the message could not be formatted"), unprintable
+
+
+def test_under_torchrun_the_error_file_keeps_the_type_and_is_bounded(tmp_path):
+    class Handler:  # torch's ErrorHandler, writing where torchrun's agent reads
+        def _get_error_file_path(self):
+            return str(tmp_path / "error.json")
+
+    for exc in (_Unprintable(), ValueError("m" * (50 << 20))):
+        record = exception_record(exc)
+        _record_for_torchrun(record, Handler)
+        written = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+        assert written.startswith(f"{record['type']}: ") and len(written) < 2 * MESSAGE_CHARS, written[:200]
 
 
 @HARNESSES

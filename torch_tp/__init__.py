@@ -9,6 +9,7 @@ Code written for ``torch.distributed.tensor.parallel`` works by changing the imp
 Importing torch_tp does not import torchao and changes no global PyTorch state.
 """
 
+from torch_tp._agreement import runtime_checks
 from torch_tp.conv import SpatialParallel
 from torch_tp.parallel import (
     ColwiseParallel,
@@ -70,4 +71,5 @@ __all__ = [
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
     "UnsupportedModuleError",
+    "runtime_checks",
 ]

@@ -31,13 +31,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import NamedTuple, Sequence
+import os
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fact", "agree_or_raise"]
+__all__ = ["Fact", "agree_or_raise", "check_on_every_rank", "checks_run", "runtime_checks", "runtime_checks_enabled"]
 
 _MISSING = "<missing>"  # shown for a rank that does not state a fact the others state
 
@@ -97,9 +99,89 @@ def agree_or_raise(
         details = [None] * group.size()
         dist.all_gather_object(details, (refusal, list(facts)), group=group)
         if problem is None:
-            raise ValueError(_disagreement(details, dist.get_process_group_ranks(group), what))
+            error = ValueError(_disagreement(details, dist.get_process_group_ranks(group), what))
+            # another rank's own check failed: this rank's error is a consequence, and failure
+            # reports (torch_tp._root_cause) name that rank as the root cause
+            error.consequence = any(refusal is not None for refusal, _ in details)
+            raise error
     if problem is not None:
         raise problem
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before the data-dependent collectives of a forward pass (MoE routes and token counts,
+# the local widths styles annotate as shards, a loss's targets): on by default, one switch.
+# ---------------------------------------------------------------------------------------------
+
+_RUNTIME_CHECKS = [os.environ.get("TORCH_TP_RUNTIME_CHECKS", "1") != "0"]
+
+
+def runtime_checks_enabled() -> bool:
+    """Whether forward passes run their agreement checks (default: yes; ``TORCH_TP_RUNTIME_CHECKS=0``
+    or :func:`runtime_checks` turns them off).
+
+    Example::
+
+        >>> runtime_checks_enabled()
+        True
+    """
+    return _RUNTIME_CHECKS[0]
+
+
+@contextlib.contextmanager
+def runtime_checks(enabled: bool) -> Iterator[None]:
+    """Turn the forward-pass agreement checks on or off inside the block.
+
+    Each check costs one all-gather of 8 bytes per rank (see ``docs/agreement.md`` for the cost
+    per training step). Off, a rank whose inputs disagree with its peers' aborts or hangs the
+    job inside the collective instead of raising a named error on every rank: turn them off
+    only for a job whose inputs are known good.
+
+    Example::
+
+        >>> with runtime_checks(False):
+        ...     runtime_checks_enabled()
+        False
+    """
+    previous, _RUNTIME_CHECKS[0] = _RUNTIME_CHECKS[0], bool(enabled)
+    try:
+        yield
+    finally:
+        _RUNTIME_CHECKS[0] = previous
+
+
+def check_on_every_rank(
+    group: dist.ProcessGroup,
+    checked_facts: Callable[[], Sequence[Fact]],
+    *,
+    what: str,
+    device: torch.device | str,
+    at_runtime: bool = False,
+) -> None:
+    """Run this rank's checks, ``checked_facts()`` (it raises ``TypeError``, ``ValueError``,
+    ``IndexError`` or ``NotImplementedError`` on a bad argument, else returns the facts the
+    ranks must share), then :func:`agree_or_raise`. ``at_runtime``: a forward pass's check,
+    skipped when ``torch.compile`` traces it (the compiled graph is specialized to its inputs'
+    shapes) or activation checkpointing recomputes the forward in the backward pass (the forward
+    checked the same inputs); with the checks off, this rank's own checks
+    still run and raise here, only the collective is skipped.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> check_on_every_rank(group, lambda: [Fact("inputs have different dtypes", x.dtype, "cast")],
+        ...                     what="my_op", device=x.device)
+    """
+    if at_runtime and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1):
+        return  # traced (the graph is specialized), or a forward recomputed in backward (checked in forward)
+    if at_runtime and not _RUNTIME_CHECKS[0]:
+        checked_facts()  # this rank's own checks still raise; only the agreement is skipped
+        return
+    try:
+        problem, facts = None, list(checked_facts())
+    except (TypeError, ValueError, IndexError, NotImplementedError) as error:
+        problem, facts = error, []
+    agree_or_raise(group, problem, facts, what=what, device=device)
 
 
 def _refusal(problem: Exception, what: str) -> str:
@@ -113,8 +195,23 @@ def _digest(refusal: str | None, facts: Sequence[Fact]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
+_CHECKS_RUN = [0]  # agreements run in this process (each one all-gather), for tools that count collectives
+
+
+def checks_run() -> int:
+    """How many agreements (each one all-gather of 8 bytes per rank) this process has run.
+
+    Example::
+
+        >>> isinstance(checks_run(), int)
+        True
+    """
+    return _CHECKS_RUN[0]
+
+
 def _digests_agree(group: dist.ProcessGroup, digest: int, device) -> bool:
     """The one all-gather of the happy path: 8 bytes from each rank."""
+    _CHECKS_RUN[0] += 1
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(gathered, mine, group=group)

@@ -10,7 +10,9 @@ moves between plain tensors and DTensors.
 
 Every style's forward hooks reduce to these moves. The functions are module-level (the
 styles bind them with keyword :func:`functools.partial`) so that ``torch.compile``
-traces them without graph breaks. This module imports nothing from torch_tp.
+traces them without graph breaks. :func:`agreed_dtensor` annotates a plain tensor that claims
+to be this rank's shard only after the ranks agree on it (the sizes of the collectives that
+follow come from it). This module imports only :mod:`torch_tp._agreement` from torch_tp.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward"]
+from torch_tp._agreement import Fact, check_on_every_rank
+
+__all__ = ["agreed_dtensor", "shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward"]
 
 
 def shard_bounds(size: int, num_ranks: int) -> list[tuple[int, int]]:
@@ -89,6 +93,49 @@ def to_dtensor(
     )
 
 
+def agreed_dtensor(
+    value: torch.Tensor, mesh: DeviceMesh, layout: Placement, *, sharded_dim_size: int | None = None, what: str
+) -> DTensor:
+    """:func:`to_dtensor`, after every rank agrees when ``value`` is a plain tensor claiming to be
+    this rank's ``Shard``: the global shape each rank infers and the dtype are the same, and with
+    ``sharded_dim_size`` known this rank's piece has its ``torch.chunk`` size. One all-gather of
+    8 bytes per rank (:func:`torch_tp._agreement.check_on_every_rank`, a runtime check); a
+    difference raises ``ValueError`` on every rank, naming ``what``, before the collectives whose
+    sizes come from it (a Rowwise all-reduce, a sequence all-gather) could abort or hang.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> agreed_dtensor(torch.ones(2, 9), mesh, Shard(1), sharded_dim_size=16, what="RowwiseParallel on 'wo'")
+        ValueError: RowwiseParallel on 'wo': this rank's input has size 9 along its sharded dim 1, ...
+    """
+    if not isinstance(value, DTensor) and isinstance(layout, Shard):
+        check_on_every_rank(
+            mesh.get_group(), partial(_shard_facts, value, mesh, layout, sharded_dim_size, what),
+            what=what, device=torch.device(mesh.device_type), at_runtime=True,
+        )
+    return to_dtensor(value, mesh, layout, sharded_dim_size=sharded_dim_size)
+
+
+def _shard_facts(value: torch.Tensor, mesh: DeviceMesh, layout: Shard, size: int | None, what: str) -> list[Fact]:
+    d = layout.dim % value.ndim
+    if size is not None and type(layout) is Shard:
+        expected = shard_sizes(size, mesh.size())[mesh.get_local_rank()]
+        if value.shape[d] != expected:
+            raise ValueError(
+                f"{what}: this rank's input has size {value.shape[d]} along its sharded dim {d}, but this "
+                f"rank's shard of {size} is {expected} (torch.chunk over {mesh.size()} ranks); pass each "
+                f"rank its own chunk"
+            )
+    shape = list(value.shape)
+    shape[d] = size if size is not None else value.shape[d] * mesh.size()
+    return [
+        Fact("inputs, as one sharded tensor, have different shapes", tuple(shape),
+             f"every rank must pass its shard of one tensor (dim {d} split by torch.chunk, the other dims equal)"),
+        Fact("inputs have different dtypes", str(value.dtype), "pass the same dtype on every rank"),
+    ]
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
@@ -120,8 +167,33 @@ def redistribute_to(value: DTensor, layout: Placement) -> DTensor:
 
 
 def finish_output(value: DTensor, use_local_output: bool) -> torch.Tensor:
-    """Hand a DTensor back to the user's code: its local shard, or the DTensor itself."""
-    return value.to_local() if use_local_output else value
+    """Hand a DTensor back to the user's code: its local shard, or the DTensor itself.
+
+    The local shard supports in-place ops (a model's ``out.add_(...)`` on a Rowwise output):
+    ``DTensor.to_local()`` returns a view made inside an autograd Function, which autograd
+    forbids modifying in place. (Traced by ``torch.compile``, ``to_local()`` is kept.)
+    """
+    if not use_local_output:
+        return value
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return value.to_local()
+    return _LocalShard.apply(value)
+
+
+class _LocalShard(torch.autograd.Function):
+    """``DTensor.to_local()`` whose output is not a view autograd tracks; the backward wraps the
+    gradient back into the DTensor's layout, as upstream's."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = value._spec
+        return value._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        spec = ctx.spec
+        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
 
 
 def replace_forward(module: torch.nn.Module, forward, **bound) -> None:

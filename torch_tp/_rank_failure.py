@@ -8,13 +8,17 @@ failed first from the ranks that failed because of it:
 key           value
 ============  ==============================================================================
 type          the exception's qualified class name (``"ValueError"``, ``"SystemExit"``)
-message       ``str(exception)`` (``SystemExit``: its code)
-traceback     the formatted traceback
+message       ``str(exception)`` (``SystemExit``: its code), at most :data:`MESSAGE_CHARS` characters
+              (:func:`bounded`); an exception whose ``__str__`` raises keeps its type, and its
+              message says it could not be formatted
+traceback     the formatted traceback, at most :data:`TRACEBACK_CHARS` characters
 time_ns       ``time.time_ns()`` when it was recorded (ranks share one host clock)
 collective    the torch.distributed collective the exception came out of, if any:
               ``{"op": "all_reduce", "ranks": [0, 1], "tensors": "float32[4]"}``
-symptom       ``True`` when a collective failed on this rank (timed out, lost its peer): the
-              cause is another rank's, not this one's
+symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), or the
+              exception says it is a consequence (``exc.consequence is True``: torch_tp's
+              agreement raises it on the ranks whose own checks passed): the cause is another
+              rank's, not this one's
 calls         ``{rank: "ALLREDUCE float32[1000]"}`` when torch's collective check
               (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) found ranks calling different collectives
 ============  ==============================================================================
@@ -31,7 +35,22 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-__all__ = ["COLLECTIVES", "collective_in_stack", "exception_record", "mismatched_calls", "recording_in_stack"]
+__all__ = [
+    "COLLECTIVES",
+    "MESSAGE_CHARS",
+    "TRACEBACK_CHARS",
+    "bounded",
+    "collective_in_stack",
+    "exception_record",
+    "formatted_traceback",
+    "mismatched_calls",
+    "recording_in_stack",
+]
+
+#: The most characters of an exception's message a record keeps (its first and last half).
+MESSAGE_CHARS = 4096
+#: The most characters of a formatted traceback a record keeps.
+TRACEBACK_CHARS = 16384
 
 #: torch.distributed functions that are (or wait on) one collective.
 COLLECTIVES = frozenset(
@@ -69,17 +88,64 @@ def exception_record(exc: BaseException, *, with_traceback: bool = True) -> dict
         ('ValueError', 'boom', False, None)
     """
     collective = _collective_in_traceback(exc.__traceback__)
-    message = str(exc.code) if isinstance(exc, SystemExit) else str(exc)
+    message = _message(exc)
     calls = mismatched_calls(message)
     return {
         "type": _qualified_name(type(exc)),
-        "message": message,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if with_traceback else "",
+        "message": bounded(message, MESSAGE_CHARS),
+        "traceback": formatted_traceback(exc) if with_traceback else "",
         "time_ns": time.time_ns(),
         "collective": collective,
-        "symptom": not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__),
+        "symptom": _says_consequence(exc) or (
+            not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__)),
         "calls": calls,
     }
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its first and last part with a note
+    of how much was cut between them: never more than ``limit`` characters (so bounding twice
+    changes nothing). A 50 MiB message must not make a 100 MiB report.
+
+    Example::
+
+        >>> bounded("short", 100)
+        'short'
+        >>> text = bounded("a" * 500 + "b" * 500, 100)
+        >>> len(text) <= 100, text[:3], text[-3:]
+        (True, 'aaa', 'bbb')
+        >>> text.splitlines()[1]
+        '[... 931 characters cut ...]'
+    """
+    if len(text) <= limit:
+        return text
+    note_len = len(_cut_note(len(text)))
+    keep = max(0, limit - note_len)
+    head, tail = keep - keep // 2, keep // 2
+    note = _cut_note(len(text) - head - tail)
+    return text[:head] + note + (text[len(text) - tail:] if tail else "")
+
+
+def formatted_traceback(exc: BaseException, tb: TracebackType | None = None, limit: int = TRACEBACK_CHARS) -> str:
+    """``exc``'s formatted traceback (from ``tb``, default its own), at most ``limit``
+    characters (:func:`bounded`). An exception whose ``__str__`` raises is still formatted.
+
+    Example::
+
+        >>> try:
+        ...     raise ValueError("x" * 100_000)
+        ... except ValueError as e:
+        ...     text = formatted_traceback(e)
+        >>> text.startswith("Traceback"), len(text) <= TRACEBACK_CHARS, "characters cut" in text
+        (True, True, True)
+    """
+    tb = exc.__traceback__ if tb is None else tb
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException as error:  # noqa: BLE001 - a broken exception must not hide the failure
+        text = "".join(traceback.format_tb(tb)) + f"{_qualified_name(type(exc))}: {_message(exc)}\n" + (
+            f"(the traceback could not be formatted: {_describe(error)})\n")
+    return bounded(text, limit)
 
 
 def mismatched_calls(message: str) -> dict[int, str]:
@@ -123,6 +189,33 @@ def recording_in_stack(stack: str) -> bool:
         True
     """
     return any(match["name"] == "exception_record" for match in _STACK_LINE.finditer(stack))
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)`` (``SystemExit``: its code); a note, not an exception, when that raises."""
+    try:
+        return str(exc.code) if isinstance(exc, SystemExit) else str(exc)
+    except BaseException as error:  # noqa: BLE001 - a broken __str__ must not hide the exception
+        return f"<the message could not be formatted: str() raised {_describe(error)}>"
+
+
+def _describe(error: BaseException) -> str:
+    """``"RuntimeError: why"``, or only the type when the message cannot be formatted either."""
+    try:
+        return bounded(f"{_qualified_name(type(error))}: {error}", 500)
+    except BaseException:  # noqa: BLE001
+        return _qualified_name(type(error))
+
+
+def _says_consequence(exc: BaseException) -> bool:
+    try:
+        return getattr(exc, "consequence", False) is True
+    except BaseException:  # noqa: BLE001 - a property that raises says nothing
+        return False
+
+
+def _cut_note(count: int) -> str:
+    return f"\n[... {count} characters cut ...]\n"
 
 
 def _qualified_name(cls: type) -> str:

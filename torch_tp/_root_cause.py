@@ -10,14 +10,21 @@ the cause. Both harnesses that run ranks (:func:`torch_tp.launch.launch` and
 a rank that ...                                        is
 =====================================================  ===========================================
 raised outside a collective, or ``sys.exit(n)``        a cause (the earliest one is the root cause)
-ended without a word: ``os._exit``, SIGABRT, SIGSEGV   a cause
+ended without a word: ``os._exit``, SIGABRT, SIGSEGV,  a cause
+SIGKILL (the OOM killer)
+was stopped by a signal (SIGSTOP) and never continued  a cause: its peers waited for it
 raised inside a collective (timed out, lost its peer)  a consequence: it waited for another rank
 was still running when the run was stopped, and not    the root cause when no rank is a cause: its
 inside a collective                                    peers waited for it (a hang); its stack
                                                        shows where it was
 was still running, inside a collective                 a consequence, or, when every rank sits in
                                                        a collective, one side of a mismatch
+returned from its function while its peers waited in   the root cause when no rank is a cause and
+a collective                                           none hangs elsewhere: it returned early
 =====================================================  ===========================================
+
+Every text a report quotes (messages, tracebacks, stacks, output) is bounded
+(:func:`torch_tp._rank_failure.bounded`): a rank that prints 50 MiB gets a report of kilobytes.
 
 Imports nothing from torch_tp beyond :mod:`torch_tp._rank_failure` (the records' format).
 """
@@ -29,9 +36,16 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_tp._rank_failure import collective_in_stack, recording_in_stack
+from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded, collective_in_stack, recording_in_stack
 
-__all__ = ["RankOutcome", "explain", "exit_description", "root_cause"]
+__all__ = ["OUTPUT_CHARS", "STOPPED", "RankOutcome", "explain", "exit_description", "root_cause"]
+
+#: The most characters of a rank's output (and of a stack dump) a report quotes.
+OUTPUT_CHARS = 8192
+_SUMMARY_CHARS = 500  # of one rank's message on the summary line
+#: How a rank found stopped by a signal is described (its peers wait for it, then time out).
+STOPPED = "stopped by SIGSTOP (or another stop signal: the process was in state T) and never continued"
+_OOM_HINT = " (most often the kernel's OOM killer, when memory runs out: see `dmesg`; nothing in a process can catch SIGKILL)"
 
 
 @dataclass
@@ -40,9 +54,12 @@ class RankOutcome:
 
     ``state`` is ``"ok"`` (its function returned), ``"raised"`` (``record`` holds the
     exception, see :mod:`torch_tp._rank_failure`), ``"exited"`` (the process ended on its own
-    without a record; ``exit_code`` is negative for a signal) or ``"running"`` (still inside its
+    without a record; ``exit_code`` is negative for a signal), ``"running"`` (still inside its
     function when the run was stopped; ``stack`` is its Python stack, ``how`` says how it was
-    stopped). ``output`` is the tail of what it printed.
+    stopped), ``"stopped"`` (found stopped by a signal, SIGSTOP: it never continued; ``stack``
+    is where it stopped) or ``"returned"`` (its function returned, then it waited for the
+    others and the run was stopped; ``record`` may hold what it raised while waiting).
+    ``output`` is the tail of what it printed.
 
     Example::
 
@@ -67,7 +84,12 @@ class RankOutcome:
     def is_cause(self) -> bool:
         if self.state == "raised":
             return not self.record["symptom"]
-        return self.state == "exited"
+        return self.state in ("exited", "stopped")
+
+    @property
+    def returned(self) -> bool:
+        """Its function returned (the run may still have failed around it)."""
+        return self.state in ("ok", "returned")
 
     @property
     def collective(self) -> str | None:
@@ -78,7 +100,7 @@ class RankOutcome:
 
     @property
     def time_ns(self) -> float:
-        return self.record["time_ns"] if self.record else math.inf
+        return self.record.get("time_ns", math.inf) if self.record else math.inf
 
 
 def _absent(o: RankOutcome) -> bool:
@@ -103,8 +125,17 @@ def root_cause(outcomes: list[RankOutcome]) -> list[RankOutcome]:
         return sorted(failed, key=lambda o: (o.rank not in odd, o.rank))
     causes = sorted((o for o in failed if o.is_cause), key=lambda o: (o.time_ns, o.rank))
     absent = [o for o in failed if _absent(o)]
-    waiting = sorted((o for o in failed if o not in causes and o not in absent), key=lambda o: (o.time_ns, o.rank))
-    return causes + absent + waiting
+    early = [] if causes or absent else _returned_early(outcomes)
+    waiting = sorted((o for o in failed if o not in causes + absent + early), key=lambda o: (o.time_ns, o.rank))
+    return causes + absent + early + waiting
+
+
+def _returned_early(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """The ranks whose function returned while others waited in a collective (inside their
+    function, not in the launcher's closing barrier): they never made that call."""
+    if not any(not o.returned and o.failed and o.collective for o in outcomes):
+        return []
+    return [o for o in outcomes if o.returned]
 
 
 def explain(headline: str, outcomes: list[RankOutcome], footer: str = "") -> str:
@@ -155,11 +186,13 @@ def _summary(ordered: list[RankOutcome], everyone: list[RankOutcome]) -> str:
     first = ordered[0]
     if first.is_cause:
         text, named = _what_it_did(first), {first.rank}
+    elif first.returned and _returned_early(everyone):
+        text, named = _left_early(ordered), {o.rank for o in ordered if o.returned}
     elif _absent(first):
         waiters = _waiters(ordered)[:1]
         text, named = _did_not_arrive(first, ordered), {o.rank for o in ordered if _absent(o)} | {o.rank for o in waiters}
     else:
-        return _all_waiting(ordered, [o.rank for o in everyone if not o.failed])
+        return _all_waiting(ordered)
     rest = [o for o in ordered if o.rank not in named]
     return text + ("; then " + "; ".join(_consequence(o) for o in rest) if rest else "")
 
@@ -168,13 +201,27 @@ def _what_it_did(o: RankOutcome) -> str:
     where = f" in {o.collective}" if o.collective else ""
     if o.state == "raised":
         if o.record["type"] == "SystemExit":
-            return f"rank {o.rank} called sys.exit({o.record['message']})"
+            return f"rank {o.rank} called sys.exit({_first_line(o.record['message'])})"
         return f"rank {o.rank} raised {o.record['type']}: {_first_line(o.record['message'])}"
+    if o.state == "stopped":
+        return f"rank {o.rank} was {o.how}{where}; its peers waited for it until they timed out"
     if o.exit_code == 0:
         return f"rank {o.rank} exited with code 0 before its function returned (os._exit, or a library ending the process)"
     if o.exit_code is not None and o.exit_code < 0:
-        return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}{_abort_reason(o.output)}"
+        hint = _OOM_HINT if -o.exit_code == signal.SIGKILL else ""
+        return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}{_abort_reason(o.output)}{hint}"
     return f"rank {o.rank} exited with code {o.exit_code}"
+
+
+def _left_early(ordered: list[RankOutcome]) -> str:
+    early = sorted(o.rank for o in ordered if o.returned)
+    ops = sorted({o.collective for o in ordered if not o.returned and o.collective})
+    waiters = sorted(o.rank for o in ordered if not o.returned and o.collective)
+    its = "its function" if len(early) == 1 else "their functions"
+    return (
+        f"{_ranks(early)} returned early: {its} returned while {_ranks(waiters)} waited in {', '.join(ops)}, "
+        f"a call {_ranks(early)} never made (every rank must make the same collective calls)"
+    )
 
 
 def _abort_reason(output: str, limit: int = 300) -> str:
@@ -193,7 +240,7 @@ def _abort_reason(output: str, limit: int = 300) -> str:
         for line in reversed(lines):
             if marker in line:
                 why = line.split("what():", 1)[-1].strip() if marker == "what():" else line.strip()
-                return f": {why[:limit]}"
+                return f": {bounded(why, limit)}"
     return ""
 
 
@@ -204,7 +251,7 @@ def _did_not_arrive(absent: RankOutcome, ordered: list[RankOutcome]) -> str:
     waiter = waiters[0]
     ranks = waiter.record["collective"]["ranks"] if waiter.record and waiter.record.get("collective") else None
     group = f" on the group of ranks {ranks}" if ranks else ""
-    verb = "timed out in" if waiter.record and "timed out" in waiter.record["message"].lower() else "waited in"
+    verb = "timed out in" if waiter.record and "timed out" in waiter.record.get("message", "").lower() else "waited in"
     missing = [o.rank for o in ordered if _absent(o)]
     return (
         f"rank {waiter.rank} {verb} {waiter.collective}{group}, which {_ranks(missing)} never "
@@ -243,7 +290,7 @@ def _waiters(ordered: list[RankOutcome]) -> list[RankOutcome]:
     return [o for o in ordered if o.collective is not None]
 
 
-def _all_waiting(ordered: list[RankOutcome], returned: list[int]) -> str:
+def _all_waiting(ordered: list[RankOutcome]) -> str:
     ops = {o.rank: o.collective for o in ordered if o.collective}  # ranks of unknown whereabouts left out
     if not ops:
         return f"{_ranks(sorted(o.rank for o in ordered))} failed or were stopped, and none said where (see below)"
@@ -251,18 +298,17 @@ def _all_waiting(ordered: list[RankOutcome], returned: list[int]) -> str:
         calls = ", ".join(f"rank {r} in {op or 'no collective'}" for r, op in sorted(ops.items()))
         return f"the ranks called different collectives ({calls}): every rank must make the same calls in the same order"
     op = next(iter(ops.values()))
-    if returned:
-        return f"{_ranks(sorted(ops))} waited in {op}, which {_ranks(returned)} returned without calling"
     return f"{_ranks(sorted(ops))} waited in {op} for a peer that never joined it"
 
 
 def _consequence(o: RankOutcome) -> str:
-    if o.state == "running":
-        where = f" in {o.collective}" if o.collective else ""
+    where = f" in {o.collective}" if o.collective else ""
+    if o.state in ("running", "stopped"):
         return f"rank {o.rank} was {o.how}{where}"
     if o.state == "raised":
-        where = f" in {o.collective}" if o.collective else ""
         return f"rank {o.rank} raised {o.record['type']}{where}: {_first_line(o.record['message'])}"
+    if o.returned:
+        return f"rank {o.rank} returned from its function, then waited for the others{where}"
     return f"rank {o.rank} ended ({exit_description(o.exit_code)}){_abort_reason(o.output)}"
 
 
@@ -271,24 +317,28 @@ def _consequence(o: RankOutcome) -> str:
 
 def _section(o: RankOutcome, is_first: bool) -> str:
     role = "root cause" if is_first else "then"
-    if o.state == "raised":
-        title = f"rank {o.rank}: raised"
+    if o.state == "raised" or (o.returned and o.record and o.record.get("type")):
+        title = f"rank {o.rank}: {'raised' if o.state == 'raised' else 'returned from its function, then raised'}"
         body = o.record["traceback"] or (
             f"{o.record['type']}: {o.record['message']}\n(no traceback: the rank was stopped while writing it)"
         )
+    elif o.returned:
+        title, body = f"rank {o.rank}: returned from its function", ""
     elif o.state == "exited":
         title, body = f"rank {o.rank}: worker process died ({exit_description(o.exit_code)})", o.stack
+    elif o.state == "stopped":
+        title, body = f"rank {o.rank}: {o.how} (Python stack where it stopped below)", o.stack or "(no stack dump was written)"
     else:
         title, body = f"rank {o.rank}: did not answer ({o.how}; Python stack below)", o.stack or "(no stack dump was written)"
-    parts = [f"===== {title} [{role}] =====", body.rstrip()]
+    parts = [f"===== {title} [{role}] =====", bounded(body.rstrip(), TRACEBACK_CHARS + MESSAGE_CHARS)]
     if o.output:
-        parts.append(f"----- rank {o.rank} output (last lines) -----\n{o.output.rstrip()}")
+        parts.append(f"----- rank {o.rank} output (last lines) -----\n{bounded(o.output.rstrip(), OUTPUT_CHARS)}")
     return "\n".join(p for p in parts if p)
 
 
 def _first_line(text: str) -> str:
     lines = text.strip().splitlines()
-    return lines[0] if lines else ""
+    return bounded(lines[0], _SUMMARY_CHARS).replace("\n", " ") if lines else ""
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -167,9 +167,13 @@ def _collectives_of_one_step(model, batch) -> str:
         model.zero_grad()
 
     sends, counts = communication_of(step)
+    checks = counts.pop("agreement checks", 0)
     if sends:  # the fused ops' ring steps (torch_tp.overlap)
         counts["P2P sends (fused ops)"] = sends
-    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
+    text = ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
+    if checks:  # torch_tp._agreement: before the collectives whose sizes come from the inputs
+        text += f"; and {checks} agreement checks of the inputs (8 bytes per rank each)"
+    return text
 
 
 def _single_process_losses(args, batches, device) -> list[float]:

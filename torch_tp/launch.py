@@ -19,8 +19,21 @@ a hung rank is SIGTERMed, silently    its Python stack is dumped (faulthandler) 
                                       names it as the rank its peers waited for, with the
                                       collective, the group and the ranks that never arrived
 ``os._exit(0)`` on a rank is success  "exited with code 0 before its function returned"
+names only the first failed rank's    every rank's exit code; a rank killed by SIGKILL (the OOM
+exit code; a rank killed by SIGKILL   killer) is named as killed by SIGKILL, a rank stopped by
+later reads as "exit code 0"          SIGSTOP as stopped, with its stack (the launcher watches
+                                      the ranks' ``/proc`` state)
+a stopped rank holds the agent for    the launcher delivers the agent's SIGTERM (SIGCONT) once
+30 s after its peers timed out        a peer has ended
+a rank that returns while its peers   named as the rank that returned early
+wait in a collective: a timeout in
+the closing barrier
 a killed parent leaves ranks running  ranks die with the process that launched them (Linux
 (blocked in a collective)             parent-death signal, pidfd watch: :mod:`torch_tp._orphans`)
+processes a rank started outlive the  they end with the run (:func:`torch_tp._orphans.end_processes`)
+run
+a 50 MiB exception message makes a    every message, traceback and output is bounded
+100 MiB report                        (:func:`torch_tp._rank_failure.bounded`)
 ====================================  =======================================================
 
 The failure is raised in the parent as :class:`LaunchFailure`, root cause first.
@@ -49,9 +62,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import exit_with, without_watcher_threads
-from torch_tp._rank_failure import exception_record
-from torch_tp._root_cause import RankOutcome, explain, root_cause
+from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
+from torch_tp._rank_failure import bounded, exception_record
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, root_cause
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
 
@@ -60,7 +73,8 @@ DEFAULT_TIMEOUT = timedelta(seconds=120)
 # A rank whose collective failed (a consequence) waits this long before it exits, so that
 # torchrun's agent, which orders failures by the second they were seen, sees the cause first.
 SYMPTOM_GRACE_SECONDS = 2.0
-_MONITOR_INTERVAL = 0.05  # how often the agent polls the ranks, seconds
+_MONITOR_INTERVAL = 0.05  # how often the agent (and torch_tp's watch) polls the ranks, seconds
+_TREE_EVERY = 5  # the watch notes the ranks' descendants every this many polls (a /proc scan)
 _SHUTDOWN_TIMEOUT = 3  # seconds a rank gets to end after SIGTERM before SIGKILL
 _STACK_WAIT = 2.0  # seconds the parent waits for a stopped rank's stack dump to appear
 _OUTPUT_LINES = 30
@@ -180,13 +194,15 @@ def launch(
 # -- one rank ------------------------------------------------------------------------------------
 
 
-def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:
+def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return: Callable[[], None] | None = None) -> None:
     device = rank_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timeout)
     fn(*args)
+    if on_return is not None:
+        on_return()  # a rank that then waits in the barrier for peers still in a collective returned early
     # Only after success: no rank may tear its group down while a peer still talks to it (gloo
     # aborts the process then). A failing rank leaves it to its process's end, and its peers
     # learn of the failure from the launcher, not from a closed connection.
@@ -204,10 +220,23 @@ def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> N
     try:
         _run_rank(fn, args, timeout)
     except Exception as exc:
-        if exception_record(exc, with_traceback=False)["symptom"]:
+        record = exception_record(exc)
+        if record["symptom"]:
             time.sleep(SYMPTOM_GRACE_SECONDS)  # let the agent see the root cause first
-        ErrorHandler().record_exception(exc)  # what @record writes: torchrun prints it
+        _record_for_torchrun(record, ErrorHandler)
         raise
+
+
+def _record_for_torchrun(record: dict, handler: type) -> None:
+    """What ``@record`` writes to torchrun's error file (torchrun prints it), from the bounded
+    record: the type survives a ``__str__`` that raises, and a 50 MiB message is cut."""
+    path = handler()._get_error_file_path()
+    if not path:
+        return
+    data = {"message": {"message": f"{record['type']}: {record['message']}",
+                        "extraInfo": {"py_callstack": record["traceback"], "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 def _elastic_rank(
@@ -215,23 +244,31 @@ def _elastic_rank(
 ) -> None:
     """Entry point of a rank started by :func:`launch` (module-level: the agent pickles it)."""
     exit_with(owner_pid)
+    mark_job(run_dir)  # the processes it starts end with the run (_RankWatch)
     if check:  # the env var is read once, at import: the fork server imported torch already
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     rank = int(os.environ["RANK"])
+    _write_json(_pid_path(run_dir, rank), {"pid": os.getpid()})
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank even inside a collective
     faulthandler.enable(all_threads=True)  # SIGABRT, SIGSEGV: the stack goes to stderr (captured)
     stacks = open(_stack_path(run_dir, rank), "w")
     faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    returned: dict[str, Any] = {}
+
+    def note_return() -> None:
+        returned.update(returned=True, time_ns=time.time_ns())
+        _write_json(_record_path(run_dir, rank), returned)
+
     try:
-        _run_rank(fn, args, timeout)
+        _run_rank(fn, args, timeout, note_return)
     except BaseException as exc:
         # The agent may already be stopping the ranks (SIGTERM reaches whichever thread it
         # likes, so it cannot be held back): the record without its traceback goes first, in
         # microseconds; formatting the traceback reads source files and takes far longer.
-        _write_json(_record_path(run_dir, rank), exception_record(exc, with_traceback=False))
-        _write_json(_record_path(run_dir, rank), exception_record(exc))
+        _write_json(_record_path(run_dir, rank), {**returned, **exception_record(exc, with_traceback=False)})
+        _write_json(_record_path(run_dir, rank), {**returned, **exception_record(exc)})
         raise
     _write_json(_record_path(run_dir, rank), {"done": True})
 
@@ -248,6 +285,10 @@ def _record_path(run_dir: str, rank: int) -> str:
 
 def _stack_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}.stack")
+
+
+def _pid_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.pid")
 
 
 # -- the parent ------------------------------------------------------------------------------------
@@ -282,31 +323,108 @@ def _launch_elastic(
         log_line_prefix_template="[rank${rank}]:",
     )
     entry = elastic_launch(config, _elastic_rank)
+    watch = _RankWatch(run_dir, nproc)
     try:
-        with _quiet_agent(), _signal_handlers_restored():
+        with watch, _quiet_agent(), _signal_handlers_restored():
             entry(fn, args, timeout, run_dir, os.getpid(), nproc, check)
     except ChildFailedError as failed:
-        raise _failure(fn, nproc, run_dir, failed) from None
-    _raise_if_a_rank_left_early(fn, nproc, run_dir)
+        raise _failure(fn, nproc, run_dir, failed, watch) from None
+    _raise_if_a_rank_left_early(fn, nproc, run_dir, watch)
 
 
-def _failure(fn: Callable[..., Any], nproc: int, run_dir: str, failed: Any) -> LaunchFailure:
-    seen = {rank: f.exitcode for rank, f in failed.failures.items()}
-    outcomes = [_outcome(run_dir, rank, seen.get(rank, 0)) for rank in range(nproc)]
-    return _launch_failure(fn, nproc, outcomes, _exit_codes(outcomes, seen))
+class _RankWatch:
+    """What the agent does not say, watched from the launching process while the ranks run.
+
+    Every ``_MONITOR_INTERVAL`` seconds a thread notes each rank's process (from the pid file
+    the rank writes) and, through it, the rank's exit code (the agent names only the first
+    failure: a rank killed by SIGKILL after it read as "exit code 0"); whether a rank is stopped
+    by a signal (SIGSTOP): such a rank never ends, and holds the agent's SIGTERM pending for 30 s,
+    so once a peer has ended the watch sends SIGTERM itself and continues it (its stack is dumped
+    where it stopped); and the processes the ranks started, which :meth:`__exit__` ends with
+    those marked with the run (:func:`torch_tp._orphans.end_processes`).
+    """
+
+    def __init__(self, run_dir: str, nproc: int) -> None:
+        self.run_dir, self.nproc = run_dir, nproc
+        self.pids: dict[int, int] = {}  # rank: pid
+        self.stopped: set[int] = set()  # ranks found stopped by a signal once a peer had ended
+        self.started: dict[int, int] = {}  # the ranks' descendants: pid: start time
+        self._procs: dict[int, Any] = {}  # pid: the agent's multiprocessing.Process
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torch_tp-launch-watch", daemon=True)
+
+    def __enter__(self) -> "_RankWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._done.set()
+        self._thread.join()
+        end_processes(self.started, job=self.run_dir)
+
+    def exit_codes(self) -> dict[int, int]:
+        """Each rank's exit code, where its process was seen (call after the agent returned)."""
+        self._read_pids()  # a rank that ended between two polls left its pid file behind
+        codes = {}
+        for rank, pid in self.pids.items():
+            proc = self._procs.get(pid)
+            with contextlib.suppress(ValueError):  # a closed Process
+                if proc is not None and proc.exitcode is not None:
+                    codes[rank] = proc.exitcode
+        return codes
+
+    def _read_pids(self) -> None:
+        for rank in range(self.nproc):
+            if rank not in self.pids and (record := _read_json(_pid_path(self.run_dir, rank))):
+                self.pids[rank] = record["pid"]
+
+    def _run(self) -> None:
+        polls = 0
+        while not self._done.wait(_MONITOR_INTERVAL):
+            try:
+                self._poll(tree=polls % _TREE_EVERY == 0)
+            except Exception:  # noqa: BLE001 - the watch only adds to the report; the run goes on
+                pass
+            polls += 1
+
+    def _poll(self, tree: bool) -> None:
+        # the agent's Process objects (multiprocessing's registry of this process's children,
+        # from their start until the agent joins them): their exit codes, once it has
+        children = getattr(multiprocessing.process, "_children", set())
+        self._procs.update((p.pid, p) for p in children.copy() if p.pid is not None)
+        self._read_pids()
+        states = {rank: process_state(pid) for rank, pid in self.pids.items()}
+        if any(state in (None, "Z") for state in states.values()):  # a rank ended: so does the run
+            for rank in (r for r, state in states.items() if state == "T" and r not in self.stopped):
+                self.stopped.add(rank)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pids[rank], signal.SIGTERM)  # delivered (stack dump, then the end)
+                    os.kill(self.pids[rank], signal.SIGCONT)  # as it continues
+        if tree:
+            self.started.update(descendants([pid for rank, pid in self.pids.items() if states[rank] not in (None, "Z")]))
 
 
-def _exit_codes(outcomes: list[RankOutcome], seen: dict[int, int]) -> dict[int, int]:
-    """Every failed rank's exit code. The agent lists the ranks it saw fail before it stopped
-    the rest; the others are known from their records: ``sys.exit(n)`` ends with ``n``, another
-    exception with 1 (torch.multiprocessing's rule), a rank stopped by the agent with SIGTERM."""
+def _failure(fn: Callable[..., Any], nproc: int, run_dir: str, failed: Any, watch: _RankWatch) -> LaunchFailure:
+    seen = {rank: f.exitcode for rank, f in failed.failures.items()}  # the agent's first failure
+    known = {**watch.exit_codes(), **seen}
+    outcomes = [
+        _outcome(run_dir, rank, known.get(rank, 0), listed=rank in seen, stopped=rank in watch.stopped)
+        for rank in range(nproc)
+    ]
+    return _launch_failure(fn, nproc, outcomes, _exit_codes(outcomes, known))
+
+
+def _exit_codes(outcomes: list[RankOutcome], known: dict[int, int]) -> dict[int, int]:
+    """Every failed rank's exit code: as the watch saw it, else from its record: ``sys.exit(n)``
+    ends with ``n``, another exception with 1 (torch.multiprocessing's rule), a rank stopped by
+    the agent with SIGTERM."""
     codes = {}
     for o in outcomes:
-        if o.rank in seen:
-            codes[o.rank] = seen[o.rank]
-        elif o.state == "raised":
+        if o.rank in known and (o.failed or known[o.rank] != 0):
+            codes[o.rank] = known[o.rank]
+        elif o.record and o.record.get("type"):
             codes[o.rank] = _system_exit_code(o.record) if o.record["type"] == "SystemExit" else 1
-        elif o.state == "running":
+        elif o.state in ("running", "stopped", "returned"):
             codes[o.rank] = -signal.SIGTERM
         elif o.state == "exited":
             codes[o.rank] = o.exit_code
@@ -320,9 +438,9 @@ def _system_exit_code(record: dict) -> int:
     return int(code) if code.lstrip("-").isdigit() else 1
 
 
-def _raise_if_a_rank_left_early(fn: Callable[..., Any], nproc: int, run_dir: str) -> None:
+def _raise_if_a_rank_left_early(fn: Callable[..., Any], nproc: int, run_dir: str, watch: _RankWatch) -> None:
     """All ranks ended with code 0; one that never recorded success left early (``os._exit(0)``)."""
-    outcomes = [_outcome(run_dir, rank, 0) for rank in range(nproc)]
+    outcomes = [_outcome(run_dir, rank, 0, listed=False, stopped=rank in watch.stopped) for rank in range(nproc)]
     if any(o.failed for o in outcomes):
         raise _launch_failure(fn, nproc, outcomes, {})
 
@@ -334,26 +452,36 @@ def _launch_failure(fn: Callable[..., Any], nproc: int, outcomes: list[RankOutco
     return LaunchFailure(message, ordered[0].rank, sorted(o.rank for o in ordered), exit_codes)
 
 
-def _outcome(run_dir: str, rank: int, exit_code: int | None) -> RankOutcome:
-    """What ``rank`` did, from its record, its exit code, its stack dump and its stderr."""
+def _outcome(run_dir: str, rank: int, exit_code: int | None, listed: bool = False, stopped: bool = False) -> RankOutcome:
+    """What ``rank`` did, from its record, its exit code (``listed``: the agent named it as the
+    first failure, before it stopped anyone), whether the watch found it ``stopped`` by a signal,
+    its stack dump and its stderr."""
     # a rank stopped between writing its record and renaming it into place left a whole .tmp
     record = _read_json(_record_path(run_dir, rank)) or _read_json(_record_path(run_dir, rank) + ".tmp")
     output = _stderr_tail(run_dir, rank)
+    if stopped:  # its stack was dumped where it stopped, when the watch continued it
+        stack = _stack_of(run_dir, rank, wait=_STACK_WAIT)
+        return RankOutcome(rank, "stopped", exit_code=exit_code, stack=stack, output=output, how=STOPPED)
     if record and record.get("done"):
         return RankOutcome(rank, "ok")
-    if record:
+    if record and record.get("type") and not record.get("returned"):
         return RankOutcome(rank, "raised", record=record, exit_code=exit_code, output=output)
-    # Stopped by the agent while running: the agent lists such a rank with its signal, or not at
-    # all (then its SIGTERM stack dump tells it apart from a rank that exited 0 on its own).
-    stopped = exit_code in (-signal.SIGTERM, -signal.SIGKILL)
-    stack = _stack_of(run_dir, rank, wait=_STACK_WAIT if stopped else 0.0)
-    if stopped or (exit_code == 0 and stack):
+    # Stopped by the agent while running: a rank the agent did not list ended by its SIGTERM or,
+    # after 3 s, its SIGKILL (then the SIGTERM stack dump was written: a rank killed by SIGKILL
+    # from outside, e.g. by the OOM killer, has none). With no exit code known (0), the dump
+    # tells such a rank apart from one that exited 0 on its own.
+    by_agent = not listed and exit_code in (-signal.SIGTERM, -signal.SIGKILL)
+    stack = _stack_of(run_dir, rank, wait=_STACK_WAIT if by_agent and exit_code == -signal.SIGTERM else 0.0)
+    if record:  # it returned from its function, then waited for the others (the closing barrier)
+        record = record if record.get("type") else None
+        return RankOutcome(rank, "returned", record=record, exit_code=exit_code, stack=stack, output=output)
+    if (by_agent and (exit_code == -signal.SIGTERM or stack)) or (exit_code == 0 and stack):
         how = "stopped by the launcher (SIGTERM)" if exit_code in (0, -signal.SIGTERM) else "stopped by the launcher (SIGKILL)"
         return RankOutcome(rank, "running", exit_code=exit_code, stack=stack, output=output, how=how)
     before, fatal = _split_fatal_dump(output)
     if exit_code == 0 and fatal:  # killed by a fatal signal the agent did not get to list
         exit_code = _FATAL_SIGNALS.get(fatal.splitlines()[0].removeprefix("Fatal Python error: ").strip(), exit_code)
-    return RankOutcome(rank, "exited", exit_code=exit_code, stack=fatal, output=before)
+    return RankOutcome(rank, "exited", exit_code=exit_code, stack=fatal or stack, output=before)
 
 
 def _read_json(path: str) -> dict | None:
@@ -379,12 +507,15 @@ def _stack_of(run_dir: str, rank: int, wait: float) -> str:
 
 
 def _stderr_tail(run_dir: str, rank: int) -> str:
+    """The last lines of the rank's stderr, at most ``OUTPUT_CHARS`` characters (a rank that
+    printed 50 MiB is not read whole)."""
     paths = glob.glob(os.path.join(run_dir, "logs", "*", "attempt_*", str(rank), "stderr.log"))
     if not paths:
         return ""
-    with open(paths[0], errors="replace") as f:
-        lines = f.read().rstrip().splitlines()
-    return "\n".join(lines[-_OUTPUT_LINES:])
+    with open(paths[0], "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * OUTPUT_CHARS))
+        lines = f.read().decode(errors="replace").rstrip().splitlines()
+    return bounded("\n".join(lines[-_OUTPUT_LINES:]), OUTPUT_CHARS)
 
 
 def _split_fatal_dump(output: str) -> tuple[str, str]:

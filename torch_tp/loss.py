@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torch_tp._agreement import Fact, check_on_every_rank
 from torch_tp._layouts import shard_bounds
 
 __all__ = ["cross_entropy", "loss_parallel"]
@@ -106,23 +107,35 @@ def cross_entropy(
         >>> loss.backward()
 
     .. note::
-        Every rank checks ``target`` (shape, and a range check that reads its values: one
-        device sync on GPU) before any collective, so bad inputs raise on every rank alike.
+        Every rank checks ``target`` (shape, range) and the ranks agree on it (a checksum of its
+        values, the options) before any collective: one device sync on GPU and one all-gather of
+        8 bytes per rank (``torch_tp.runtime_checks(False)`` skips the all-gather). Bad or
+        differing targets on any rank raise ``ValueError`` on every rank.
     """
     tp_axis = _vocab_axis(logits)
-    _check_options(reduction, label_smoothing)
-    x_local = logits.to_local()
-    t_local = _local_target(target, logits, tp_axis, x_local.shape)
-    vocab = logits.shape[-1]
-    _check_target_values(t_local, vocab, ignore_index)
-    mesh = logits.device_mesh
+    x_local, mesh, vocab = logits.to_local(), logits.device_mesh, logits.shape[-1]
     start, stop = shard_bounds(vocab, mesh.size(tp_axis))[mesh.get_local_rank(tp_axis)]
-    if x_local.shape[-1] != stop - start:
-        raise ValueError(
-            f"cross_entropy found a local vocab slice of {x_local.shape[-1]} columns where torch.chunk's "
-            f"rule (what Shard places) gives this rank [{start}, {stop}) of {vocab}; build the logits with "
-            f"a style or distribute_tensor, or pass shape= to DTensor.from_local only for chunk-sized pieces"
-        )
+    checked = {}
+
+    def facts() -> list[Fact]:  # this rank's checks; the ranks then agree (torch_tp._agreement)
+        _check_options(reduction, label_smoothing)
+        checked["target"] = t_local = _local_target(target, logits, tp_axis, x_local.shape)
+        if x_local.shape[-1] != stop - start:
+            raise ValueError(
+                f"cross_entropy found a local vocab slice of {x_local.shape[-1]} columns where torch.chunk's "
+                f"rule (what Shard places) gives this rank [{start}, {stop}) of {vocab}; build the logits with "
+                f"a style or distribute_tensor, or pass shape= to DTensor.from_local only for chunk-sized pieces"
+            )
+        return [
+            Fact("targets differ (a checksum of their values)", _checked_target_checksum(t_local, vocab, ignore_index),
+                 "every rank of the tensor-parallel group holds the same tokens, so pass each the same targets"),
+            Fact("calls pass different options", (reduction, float(label_smoothing), ignore_index),
+                 "pass the same reduction, label_smoothing and ignore_index on every rank"),
+        ]
+
+    check_on_every_rank(mesh.get_group(tp_axis), facts, what="cross_entropy", device=torch.device(mesh.device_type),
+                        at_runtime=True)
+    t_local = checked["target"] if "target" in checked else _local_target(target, logits, tp_axis, x_local.shape)
     loss = _VocabParallelCrossEntropy.apply(
         x_local.reshape(t_local.numel(), stop - start),  # not -1: a slice may be empty
         t_local.reshape(-1).long(),
@@ -281,11 +294,21 @@ def _local_target(target: Any, logits: DTensor, tp_axis: int, local_shape: torch
     return target
 
 
-def _check_target_values(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bad.any():
-        value = target[bad][0].item()
+def _checked_target_checksum(target: torch.Tensor, vocab: int, ignore_index: int) -> int:
+    """Raise on a target index outside the vocab; else a position-weighted checksum of the targets
+    (int64 arithmetic, wrapping), which the ranks compare. One host read for both."""
+    flat = target.reshape(-1).long()
+    if flat.numel() == 0:
+        return 0
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 0x9E3779B1
+    first_bad = flat[bad.long().argmax()]  # the first bad index (index 0 when none is bad)
+    any_bad, value, checksum = torch.stack([bad.any().long(), first_bad, (flat * weights).sum()]).tolist()
+    if any_bad:
         raise ValueError(
             f"cross_entropy got target index {value}, outside the vocab [0, {vocab}) and not "
             f"ignore_index={ignore_index}"
         )
+    return checksum + flat.numel()
+
+

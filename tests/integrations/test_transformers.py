@@ -281,3 +281,72 @@ def _greedy_generation_with_expert_parallelism(family):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_greedy_generation_with_expert_parallelism_gives_the_single_process_tokens(family):
     run_on_ranks(_greedy_generation_with_expert_parallelism, 2, family)
+
+
+def _plans_that_shard_nothing_or_little():
+    from torch_tp.integrations.transformers import parallelize
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel ships no tensor-parallel plan .* nothing would be sharded"):
+        parallelize(gpt2, tp_mesh())
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in gpt2.parameters())  # untouched
+    config, model_class = _config_and_class("llama")
+    config.base_model_tp_plan = {}  # only the embedding and the head left: most bytes whole
+    with pytest.warns(UserWarning, match=r"LlamaForCausalLM's plan leaves 8\d% of its parameter bytes whole on every rank"):
+        parallelize(model_class(config), tp_mesh())
+    return True
+
+
+def test_a_model_without_a_plan_is_refused_and_a_plan_sharding_little_warns():
+    assert run_on_ranks(_plans_that_shard_nothing_or_little, 2) == [True, True]
+
+
+def _saved_and_loaded_back(family, directory):
+    from torch_tp.integrations.transformers import parallelize
+
+    reference = _build(family)
+    model = parallelize(copy.deepcopy(reference), tp_mesh())
+    model.save_pretrained(directory)  # every rank calls it; rank 0 writes the whole tensors
+    torch.distributed.barrier()
+    _, model_class = _config_and_class(family)
+    loaded = model_class.from_pretrained(directory)
+    expected = reference.state_dict()
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+    if family == "gemma":
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    return sorted(loaded.state_dict()) == sorted(expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])  # gemma: a tied lm_head
+def test_save_pretrained_writes_the_whole_tensors_and_from_pretrained_loads_the_single_process_model(family, tmp_path):
+    assert run_on_ranks(_saved_and_loaded_back, 2, family, str(tmp_path)) == [True, True]
+
+
+def _llama4_trains_like_one_process(experts):
+    from torch_tp.integrations.transformers import parallelize
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=64, attention_dropout=0.0, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    reference = transformers.Llama4ForCausalLM(config)
+    model = parallelize(copy.deepcopy(reference), tp_mesh(), experts=experts)
+    batches = ((torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(2))
+    adamw = functools.partial(torch.optim.AdamW, **ADAMW)
+    assert_trains_like(_Logits(model), _Logits(reference), batches, _loss, optimizer=adamw, **TOL,
+                       what=f"llama4 experts={experts}")
+    return True
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("experts", ["tensor", "expert", None], ids=["expert_tensor", "expert_parallel", "whole"])
+def test_llama4_text_trains_like_one_process_under_both_expert_styles_and_whole(world_size, experts):
+    # its dense experts take every token once per expert ([E * T, H]), and its MoE block adds
+    # into the shared expert's Rowwise output in place: every setting failed before
+    assert run_on_ranks(_llama4_trains_like_one_process, world_size, experts) == [True] * world_size

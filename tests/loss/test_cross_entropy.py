@@ -13,6 +13,8 @@ its vocab slice of the logits (or three values per token), far less than the ful
 
 import copy
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,10 +33,12 @@ from torch_tp.testing import (
     comm_counts,
     mesh_2x2,
     on_ranks,
+    rank,
     run_on_ranks,
     small_llama,
     small_llama_args,
     tp_mesh,
+    world_size,
     world_sizes,
 )
 
@@ -123,7 +127,8 @@ def test_every_rank_gets_the_same_loss_from_two_forward_all_reduces_and_no_backw
     results = run_on_ranks(_loss_and_comm_counts, world_size, label_smoothing)
     assert len({loss for loss, _, _ in results}) == 1, results  # bit for bit
     for _, forward, backward in results:
-        assert_comm_counts(forward, {"all_reduce": 2}, "forward: MAX, then one SUM of the stacked sums")
+        assert_comm_counts(forward, {"all_gather": 1, "all_reduce": 2},
+                           "forward: the targets' agreement (8 bytes per rank), MAX, then one SUM of the stacked sums")
         assert_comm_counts(backward, {}, "backward: local")
 
 
@@ -344,6 +349,42 @@ BAD_INPUTS = {
     "reduction": (2, ValueError, r"reduction must be one of .*'avg'"),
     "label_smoothing": (2, ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
 }
+
+
+def _on_one_rank(case):
+    """The last rank alone passes a bad target or other options; returns what this rank raised."""
+    full, target = torch.randn(2, SEQ, 8), torch.randint(0, 8, (2, SEQ))
+    sharded = distribute_tensor(full, tp_mesh(), [Shard(2)])
+    options = {}
+    if rank() == world_size() - 1:
+        if case == "out_of_vocab":
+            target[0, 0] = 8
+        elif case == "other_targets":
+            target = (target + 1) % 8
+        elif case == "other_smoothing":
+            options["label_smoothing"] = 0.1
+    try:
+        cross_entropy(sharded, target, **options)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+# name -> what every rank's error says
+ONE_RANK = {
+    "out_of_vocab": r"target index 8, outside the vocab \[0, 8\)",
+    "other_targets": r"targets differ \(a checksum of their values\).*pass each the same targets",
+    "other_smoothing": r"calls pass different options.*\('mean', 0.1, -100\)",
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
+def test_targets_or_options_bad_on_one_rank_raise_on_every_rank(world_size):
+    # before: a wrong loss with no error (other targets), or one rank raising while the others
+    # waited in the all-reduce (a bad index)
+    for case, pattern in ONE_RANK.items():
+        messages = run_on_ranks(_on_one_rank, world_size, case)
+        assert all(m is not None and re.search(pattern, m) for m in messages), (case, messages)
 
 
 def _raised(case):

@@ -281,6 +281,21 @@ def test_odd_shapes_shard_as_predicted_and_train_like_one_process():
                     p.grad = None
 
 
+@on_ranks(4)
+def test_matched_units_that_shard_nothing_over_dp_are_reported():
+    # the default min_weight_size (2**18 elements) is above every weight of a small model: each
+    # block would stay whole on every dp rank, silently; now a warning names them
+    model = small_llama(seed=0)
+    mesh = mesh_2x2()
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan())
+    with pytest.warns(UserWarning, match=r"2 of the 2 matched units \('layers.0', 'layers.1'\) shard nothing over dp"):
+        fully_shard_by_pattern(model, mesh, "layers.*")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with a size the weights pass, no word
+        fully_shard_by_pattern(parallelize_module(small_llama(seed=0), mesh["tp"], tensor_parallel_plan()), mesh,
+                               "layers.*", min_weight_size=MIN_SIZE)
+
+
 # ---------------------------------------------------------------------- bad input
 
 

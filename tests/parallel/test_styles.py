@@ -6,6 +6,7 @@ gradients.
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models.llama import RMSNorm
-from torch_tp.testing import TOL, assert_params_and_grads_match, local_chunk, on_ranks, run_on_ranks, tp_mesh
+from torch_tp.testing import TOL, assert_params_and_grads_match, assert_trains_like, local_chunk, on_ranks, run_on_ranks, tp_mesh
 
 
 def _parallel_copy(module, plan, **kwargs):
@@ -352,3 +353,28 @@ def test_prepare_module_input_output_gathers_input_and_scatters_output():
     out = module(local_chunk(full, 1))
     assert not isinstance(out, DTensor)
     torch.testing.assert_close(out, local_chunk(reference(full), 1).detach(), **TOL)
+
+
+class _SharedPlusRouted(nn.Module):
+    """Llama-4's MoE block adds into its shared expert's output in place: ``out.add_(routed)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.other = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = self.down(torch.relu(self.up(x)))  # a Rowwise output under the plan below
+        out.add_(self.other(x))
+        return out.mul_(2)
+
+
+@on_ranks(2, 4)
+def test_in_place_ops_on_a_rowwise_output_train_like_one_process():
+    # DTensor.to_local() hands back a view made inside an autograd Function: autograd refused
+    # the model's in-place add (upstream fails the same way)
+    torch.manual_seed(0)
+    reference = _SharedPlusRouted()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    batches = ((torch.randn(3, 8), torch.randn(3, 8)) for _ in range(2))
+    assert_trains_like(model, reference, batches, lambda out, target: (out - target).square().mean(),
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1))

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
@@ -72,3 +72,65 @@ def test_a_plan_that_would_untie_a_shared_parameter_raises_naming_both_modules_a
     unplanned = messages["one sharer unplanned"]
     assert "'head.weight' -> left plain (not in the plan)" in unplanned
     assert "'head': ColwiseParallel()" in unplanned
+
+
+# ----------------------------------------------------------------- a tie split across two calls
+
+
+class _TiedLM(nn.Module):
+    """A base model holding the embedding, and a head outside it tied to the embedding (how
+    transformers lays out a causal LM: its base-model plan and its ``lm_head`` are applied apart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.ModuleDict({"embed": nn.Embedding(16, 8), "proj": nn.Linear(8, 8)})
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.base.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.base.proj(self.base.embed(tokens))))
+
+
+_BASE_PLAN = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+
+
+def _two_calls_train_like_one_process(user_reties):
+    torch.manual_seed(0)
+    reference = _TiedLM()
+    model = copy.deepcopy(reference)
+    parallelize_module(model.base, tp_mesh(), _BASE_PLAN)  # the head, outside, still holds the old tensor
+    parallelize_module(model, tp_mesh(), {"head": ColwiseParallel(output_layouts=Replicate())})
+    assert model.head.weight is model.base.embed.weight  # tied again by torch_tp
+    if user_reties:  # upstream's recipe re-ties by hand: harmless
+        model.head.weight = model.base.embed.weight
+    batches = ((torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5))) for _ in range(3))
+    assert_trains_like(model, reference, batches, _loss, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    return len(list(model.parameters())) == len(list(reference.parameters()))
+
+
+@world_sizes(2, 4)
+@pytest.mark.parametrize("user_reties", [False, True], ids=["torch_tp_reties", "user_reties_too"])
+def test_a_tie_split_across_two_calls_is_kept_and_trains_like_one_process(world_size, user_reties):
+    assert run_on_ranks(_two_calls_train_like_one_process, world_size, user_reties) == [True] * world_size
+
+
+def _split_tie_refusals():
+    messages = {}
+    for name, second_plan in (("placed differently", {"head": RowwiseParallel()}),
+                              ("left plain", {"base.proj": ColwiseParallel()})):
+        model = _TiedLM()
+        parallelize_module(model.base, tp_mesh(), _BASE_PLAN)
+        with pytest.raises(ValueError) as info:
+            parallelize_module(model, tp_mesh(), second_plan)
+        assert not isinstance(model.head.weight, DTensor)  # refused before anything moved
+        messages[name] = str(info.value)
+    return messages
+
+
+def test_a_second_call_that_would_leave_a_split_tie_placed_differently_is_refused():
+    messages = run_on_ranks(_split_tie_refusals, 2)[0]
+    for message in messages.values():
+        assert "'head.weight' is tied to the one an earlier parallelize_module call placed as Shard(dim=0)" in message
+        assert "Place 'head' with ColwiseParallel()" in message, message
+    assert "places it as Shard(dim=1)" in messages["placed differently"]
+    assert "leaves it plain" in messages["left plain"]

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from torch_tp import (
     ColwiseParallel,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
     SpatialParallel,
@@ -21,7 +22,7 @@ from torch_tp import (
     verify_plan,
 )
 from torch_tp.models.llama import RMSNorm, tensor_parallel_plan
-from torch_tp.parallel.verify import GRADIENT, INPUTS, OUTPUT, PLAIN, RANK_GRADIENT, TIE, UPDATED
+from torch_tp.parallel.verify import BUFFER, EVAL, GRADIENT, INPUTS, OUTPUT, PLAIN, RANK_GRADIENT, TIE, UPDATED
 from torch_tp.testing import (
     local_chunk,
     on_ranks,
@@ -99,7 +100,7 @@ def test_a_tie_broken_by_upstream_parallelize_module_is_flagged_with_its_gradien
 def _qk_norm_left_out():
     report = verify_plan(
         functools.partial(small_llama, qk_norm=True), tp_mesh(), tensor_parallel_plan(), _tokens,
-        raise_on_mismatch=False,
+        raise_on_mismatch=False, steps=1,
     )
     return _kinds(report), str(report)
 
@@ -113,7 +114,8 @@ def test_per_head_norms_left_out_of_the_plan_show_gradients_that_differ_across_r
         for norm in ("q_norm", "k_norm"):
             name = f"layers.{layer}.attention.{norm}.weight"
             assert {(GRADIENT, name), (RANK_GRADIENT, name)} <= kinds
-    assert {kind for kind, _ in kinds} == {GRADIENT, RANK_GRADIENT, UPDATED}  # the forward is right
+    # the first forward is right; after the wrong update, the eval-mode forward is not
+    assert {kind for kind, _ in kinds} == {GRADIENT, RANK_GRADIENT, UPDATED, EVAL}
     assert "ReplicateParallel(input_layouts=Shard(2))" in text  # the fix
 
 
@@ -235,7 +237,8 @@ def test_a_dict_and_tuple_output_passes_with_the_default_loss():
     plan = {"body": ColwiseParallel(output_layouts=Replicate()), "head": RowwiseParallel(input_layouts=Replicate())}
     report = verify_plan(_TwoHeads, tp_mesh(), plan, (torch.randn(3, 8),), steps=2)
     assert report.ok  # logits, the hidden state, the integer argmax and the loss all compared
-    assert report.compared == 4 + 2 * (4 + 4 + 4)  # initial parameters; per step 3 outputs + loss, 4 grads, 4 parameters
+    # initial parameters; per step 3 outputs + loss, 4 grads, 4 parameters; 3 outputs in eval mode
+    assert report.compared == 4 + 2 * (4 + 4 + 4) + 3
 
 
 def _sequence_norm():
@@ -287,7 +290,7 @@ def test_bad_arguments_raise_errors_that_say_what_to_pass():
     model = lambda: nn.Linear(4, 4)  # noqa: E731
     with pytest.raises(TypeError, match=r"plan\(model, mesh\) -> model, got int"):
         verify_plan(model, tp_mesh(), 42, (torch.randn(2, 4),))
-    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="steps must be a positive int or None .*, got 0"):
         verify_plan(model, tp_mesh(), {}, (torch.randn(2, 4),), steps=0)
     with pytest.raises(ValueError, match="a callable plan parallelizes the model itself"):
         verify_plan(model, tp_mesh(), lambda m, mesh: m, (torch.randn(2, 4),), replicate_unplanned_params=True)
@@ -296,3 +299,64 @@ def test_bad_arguments_raise_errors_that_say_what_to_pass():
 def test_a_mesh_that_is_not_a_device_mesh_raises_type_error():
     with pytest.raises(TypeError, match=r"verify_plan needs a DeviceMesh .* got int"):
         verify_plan(lambda: nn.Linear(4, 4), 2, {}, (torch.randn(2, 4),))
+
+
+# --------------------------------------------------- buffers, eval mode, and how many steps
+
+
+class _LocalRunningMean(nn.Module):
+    """Keeps a running mean of its output in a buffer, from the local piece it sees (the bug), and
+    subtracts it in eval mode: training agrees with one process, the buffer and eval do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not self.training:
+            mean = DTensor.from_local(self.mean, h.device_mesh, [Replicate()]) if isinstance(h, DTensor) else self.mean
+            return h - mean
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(0.5 * (h.to_local() if isinstance(h, DTensor) else h).mean(0))
+        return h
+
+
+@on_ranks(2, 4)
+def test_a_buffer_updated_from_a_local_piece_is_found_with_the_eval_forward_it_breaks():
+    report = verify_plan(
+        _LocalRunningMean, tp_mesh(), ReplicateParallel(input_layouts=Shard(0)), (torch.randn(8, 4),),
+        shard_inputs=lambda args: (local_chunk(args[0], 0),),
+        gather_outputs=lambda out: DTensor.from_local(out, tp_mesh(), [Shard(0)]).full_tensor(),
+        raise_on_mismatch=False,
+    )
+    kinds = {(f.kind, f.name) for f in report.findings}
+    assert kinds == {(BUFFER, "mean"), (EVAL, "output")}, str(report)  # training itself agrees
+
+
+class _HeadsBeforeAZeroProjection(nn.Module):
+    """Per-head norm between a Colwise and a Rowwise layer, the Rowwise one zero-initialized (a
+    common init for output projections): until it moves, no gradient reaches the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.RMSNorm(2), nn.Linear(8, 4)
+        nn.init.zeros_(self.b.weight)
+        nn.init.zeros_(self.b.bias)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x).unflatten(-1, (-1, 2))).flatten(-2))
+
+
+@on_ranks(2, 4)
+def test_the_default_steps_find_an_error_the_first_update_uncovers():
+    # the norm is left out of the plan: its gradient misses the other ranks' heads, which shows
+    # only once the zero projection moved (step 1); one step passes the wrong plan
+    run = functools.partial(verify_plan, _HeadsBeforeAZeroProjection, tp_mesh(),
+                            {"a": ColwiseParallel(), "b": RowwiseParallel()}, (torch.randn(3, 8),),
+                            raise_on_mismatch=False)
+    assert run(steps=1).ok
+    report = run()
+    assert report.steps == 3  # step 0 moves b, step 1 a and the norm, step 2 nothing new
+    assert (RANK_GRADIENT, "norm.weight", 1) in {(f.kind, f.name, f.step) for f in report.findings}, str(report)

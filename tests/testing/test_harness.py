@@ -234,7 +234,9 @@ def test_hung_rank_times_out_with_its_stack():
     message = str(info.value)
     assert elapsed < 30, elapsed
     assert "timed out after 5 s" in message
-    assert info.value.failed_ranks == [1]
+    # rank 0 returned without the all_reduce rank 1 waits in: it is the root cause
+    assert info.value.failed_ranks == [0, 1] and info.value.root_cause_rank == 0, message
+    assert "on world_size=2: rank 0 returned early" in message.splitlines()[0], message
     assert "rank 1: did not answer" in message
     assert "_rank0_skips_the_collective" in message  # from rank 1's stack dump
     assert run_on_ranks(_print_and_return_rank, 2) == [0, 1]

@@ -35,6 +35,7 @@ Example::
 """
 
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
+from torch_tp.conv._region_ops import UnsupportedSpatialOpError
 from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
 from torch_tp.conv.global_mean import sharded_mean
 from torch_tp.conv.group_norm import group_norm_backward_handler, group_norm_handler, sharded_group_norm
@@ -57,6 +58,7 @@ install, uninstall, is_installed, sharded_convolution = _public_functions(
 
 __all__ = [
     "ShardWindow",
+    "UnsupportedSpatialOpError",
     "batch_norm_backward_handler",
     "batch_norm_handler",
     "sharded_batch_norm",

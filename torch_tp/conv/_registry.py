@@ -51,6 +51,7 @@ __all__ = [
     "enter_scope",
     "exit_scope",
     "handler_sets",
+    "handles",
     "hold",
     "public_functions",
     "scope_active",
@@ -256,6 +257,17 @@ def handler_sets() -> tuple[HandlerSet, ...]:
         True
     """
     return tuple(_SETS)
+
+
+def handles(op: Any) -> bool:
+    """Whether a set in DTensor's table now has a handler for ``op``.
+
+    Example:
+        >>> import torch
+        >>> handles(torch.ops.aten.sort.default)
+        False
+    """
+    return any(op in handler_set.handlers for handler_set in _PRESENT)
 
 
 def sets_for(module: nn.Module | None) -> tuple[HandlerSet, ...]:

@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
 from torch_tp.conv import _registry
+from torch_tp.conv._region_ops import RegionGuard
 from torch_tp.parallel import rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
@@ -407,7 +408,7 @@ class SpatialParallel(ParallelStyle):
         module.register_forward_hook(
             partial(_spatial_output, layout=self.output_layouts, use_local_output=self.use_local_output)
         )
-        _run_in_scope(module, _registry.sets_for(module))
+        _run_in_scope(module, _registry.sets_for(module), rules.describe(module, module_path))
         rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
         return module
 
@@ -421,17 +422,18 @@ class SpatialParallel(ParallelStyle):
         ))
         if self.until is not None:
             module.get_submodule(self.until).register_forward_pre_hook(_head_input)
-        _run_in_scope(module, _registry.sets_for(None))
+        _run_in_scope(module, _registry.sets_for(None), rules.describe(module, module_path))
         rules.mark_prepared(module, rules.BOTH_STAGES, _STYLE)
         return module
 
 
-def _run_in_scope(module: nn.Module, sets: tuple) -> None:
+def _run_in_scope(module: nn.Module, sets: tuple, where: str) -> None:
     """Hold ``sets`` in DTensor's table while ``module`` lives, and run its forward (all its hooks
     included: registered last, entered first) and the backward through it in the scope where
-    their handlers apply (:mod:`torch_tp.conv._registry`)."""
+    their handlers apply (:mod:`torch_tp.conv._registry`); its forward runs only the ops
+    :mod:`torch_tp.conv._region_ops` allows on strips (``where`` names it in a refusal)."""
     _registry.hold(module, sets)
-    module.register_forward_pre_hook(_enter_scope, prepend=True)
+    module.register_forward_pre_hook(partial(_enter_scope, where=where), prepend=True)
     module.register_forward_hook(_scope_output, always_call=True)
     # torch.compile runs a spatial model eagerly (a graph break; fullgraph=True refuses at compile
     # time): traced, its scope hooks would be deferred side effects and its handlers would meet
@@ -439,16 +441,24 @@ def _run_in_scope(module: nn.Module, sets: tuple) -> None:
     module.forward = torch._dynamo.disable(module.forward, reason=_NOT_TRACED)
 
 
+_GUARDS = "_torch_tp_region_guards"  # the RegionGuard of each call in flight (a module may re-enter)
+
 _NOT_TRACED = ("torch_tp.conv: a SpatialParallel model runs eagerly under torch.compile (its halo exchange "
                "and scope are not traceable yet); compile the modules around it, or use fullgraph=False")
 
 
 @torch._dynamo.disable(reason=_NOT_TRACED)
-def _enter_scope(module: nn.Module, args: Any) -> None:
+def _enter_scope(module: nn.Module, args: Any, *, where: str) -> None:
     _registry.enter_scope()
+    guard = RegionGuard(where)
+    guard.__enter__()
+    module.__dict__.setdefault(_GUARDS, []).append(guard)
 
 
 @torch._dynamo.disable(reason=_NOT_TRACED)
 def _scope_output(module: nn.Module, inputs: Any, output: Any) -> None:
+    guards = module.__dict__.get(_GUARDS)
+    if guards:
+        guards.pop().__exit__(None, None, None)
     _registry.exit_scope()
     _registry.scope_backward(output)

@@ -21,12 +21,13 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp.parallel.api import parallelize_module
 from torch_tp.parallel.experts import ExpertParallel, ExpertTensorParallel
@@ -294,6 +295,11 @@ def parallelize(
 ) -> nn.Module:
     """``parallelize_module(model, mesh, tp_plan(model, ...))`` plus what the model needs around it.
 
+    A model whose config ships no plan for the modules it builds (GPT-2) raises ``ValueError``
+    rather than coming back unchanged; a plan that leaves more than half the parameter bytes
+    whole on every rank warns, naming the share and the largest whole modules.
+    ``model.save_pretrained(dir)``, called on every rank, writes the whole tensors (rank 0
+    writes), so ``from_pretrained(dir)`` loads the single-process model.
     The attention modules declare their heads as whole units (a head count the mesh cannot
     split raises before anything changes); a tied ``lm_head`` / ``embed_tokens`` pair is
     placed alike by the plan (both ``Shard(0)``) and stays one Parameter. Generation with a
@@ -308,4 +314,82 @@ def parallelize(
     """
     _declare_heads(model)
     plan = tp_plan(model, sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss, experts=experts)
-    return parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)
+    _require_a_sharding_plan(model, plan)
+    parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)
+    _warn_if_mostly_replicated(model)
+    _save_whole_tensors(model)
+    return model
+
+
+def _save_whole_tensors(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(dir)`` write the whole tensors, as transformers' own TP does.
+
+    Called on every rank (transformers writes on rank 0 only): each DTensor of the state dict is
+    gathered whole, once per tensor however many keys share it (ties stay ties), so
+    ``from_pretrained(dir)`` builds the single-process model. An explicit ``state_dict=`` passes
+    through unchanged.
+    """
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            state_dict = _whole_state_dict(model)
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    save_pretrained.__doc__ = original.__doc__
+    model.save_pretrained = save_pretrained
+
+
+def _whole_state_dict(model: nn.Module) -> dict:
+    whole: dict[int, object] = {}
+    state = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            if id(value) not in whole:
+                whole[id(value)] = value.full_tensor()  # a collective: every rank, same order
+            value = whole[id(value)]
+        state[key] = value
+    return state
+
+
+#: Above this share of the parameter bytes left whole on every rank, parallelize warns.
+MOSTLY_REPLICATED = 0.5
+
+_ONLY_MOVE_ACTIVATIONS = (PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel)
+
+
+def _require_a_sharding_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
+    """A model whose config ships no tensor-parallel plan would come back unchanged: refuse it."""
+    if any(not isinstance(style, _ONLY_MOVE_ACTIVATIONS) for style in plan.values()):
+        return
+    shipped = getattr(model.config, "base_model_tp_plan", None)
+    raise ValueError(
+        f"torch_tp.integrations.transformers.parallelize: {type(model).__name__} ships no tensor-parallel "
+        f"plan for the modules it builds (config.base_model_tp_plan is {shipped!r}, and no _tp_plan entry "
+        f"matches), so nothing would be sharded. Write a plan for torch_tp.parallelize_module "
+        f"(docs/plans_and_styles.md: ColwiseParallel on the attention and MLP input projections, "
+        f"RowwiseParallel on their output projections), and check it with torch_tp.verify_plan"
+    )
+
+
+def _warn_if_mostly_replicated(model: nn.Module) -> None:
+    """Warn, with the share and the largest whole modules, when most parameter bytes stay whole."""
+    whole: dict[str, int] = {}
+    total = 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        total += nbytes
+        if not (isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)):
+            owner = name.rpartition(".")[0] or "<root>"
+            whole[owner] = whole.get(owner, 0) + nbytes
+    share = sum(whole.values()) / total if total else 0.0
+    if share <= MOSTLY_REPLICATED:
+        return
+    largest = sorted(whole.items(), key=lambda item: -item[1])[:3]
+    shown = ", ".join(f"{path!r} {nbytes / 2**20:.2f} MiB" for path, nbytes in largest)
+    warnings.warn(
+        f"torch_tp.integrations.transformers.parallelize: {type(model).__name__}'s plan leaves {share:.0%} of "
+        f"its parameter bytes whole on every rank (largest: {shown}); tensor parallelism saves little memory "
+        f"or compute here. Add entries for those modules (torch_tp.parallelize_module with your own plan)",
+        stacklevel=3,
+    )

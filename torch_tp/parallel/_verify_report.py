@@ -24,6 +24,8 @@ GRADIENT = "gradient"
 RANK_GRADIENT = "gradient differs across ranks"
 PLAIN = "plain parameter on DTensor inputs"
 UPDATED = "updated parameter"
+BUFFER = "buffer"
+EVAL = "eval-mode output"
 
 # What each kind of finding usually means, and what to change.
 _HINTS = {
@@ -52,6 +54,13 @@ _HINTS = {
     "replicate_unplanned_params=True",
     UPDATED: "the parameter differs after the optimizer step: follows from a gradient difference, "
     "or, where gradients agree, the optimizer saw another gradient or does not hold the parameter",
+    BUFFER: "a buffer differs (BatchNorm's running statistics, a cache the forward updates): its module "
+    "updated it from this rank's piece of an activation rather than the whole. Put the module in the "
+    "plan with the layout of its input, or keep its input whole",
+    EVAL: "the model in eval mode, after the updates, computes something else: where parameters differ "
+    "after the updates, it follows from them; where training agreed, a module whose eval path differs "
+    "(BatchNorm's running statistics, a cache) reads state the parallel model holds differently (see the "
+    "'buffer' rows)",
 }
 _KIND_ORDER = tuple(_HINTS)
 _MAX_ROWS = 40

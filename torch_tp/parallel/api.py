@@ -15,7 +15,8 @@ from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
 from torch_tp.parallel._order import require_before
 from torch_tp.parallel._upstream import UpstreamStyle
-from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, planned_placements, resolve_plan, retie
+from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, earlier_ties, keep_earlier_ties
+from torch_tp.parallel.plan import owned_parameters, planned_placements, remember_replaced, resolve_plan, retie
 from torch_tp.parallel.replicate import replicate
 from torch_tp.parallel.style import ParallelStyle
 
@@ -120,20 +121,23 @@ def parallelize_module(
     mesh = _require_mesh(device_mesh if device_mesh is not None else _current_mesh(), src_data_rank)
     replicate_unplanned_params = rules.flag(replicate_unplanned_params, "replicate_unplanned_params", "parallelize_module")
     try:
-        entries, styles, targets, ties = _checked_plan(module, mesh, parallelize_plan, replicate_unplanned_params)
+        entries, styles, targets, ties, earlier = _checked_plan(module, mesh, parallelize_plan, replicate_unplanned_params)
         problem, facts = None, _facts(module, entries, ties)
     except (TypeError, ValueError, NotImplementedError) as err:
         problem, facts = err, []
     # one all-gather of 8 bytes per rank; raises on every rank if one failed or they differ
     device = torch.device(mesh.device_type)  # NCCL moves device tensors only
     agree_or_raise(mesh.get_group(), problem, facts, what="parallelize_module", device=device)
+    before = dict(owned_parameters(module))
     for entry, style, target in zip(entries, styles, targets):
         style.apply_to(target, mesh, src_data_rank=src_data_rank, module_path=entry.path)
     for (parent, _), indices in _sibling_groups(entries).items():
         styles[indices[0]].link_siblings([targets[i] for i in indices], parent)
     retie(module, ties)
+    keep_earlier_ties(module, earlier)  # ties an earlier call on a submodule split
     if replicate_unplanned_params:
         _replicate_unplanned(module, mesh, src_data_rank)
+    remember_replaced(module, before)  # for the ties a later call sees
     return module
 
 
@@ -168,8 +172,9 @@ def _checked_plan(module, mesh, plan, replicate_unplanned_params):
         style.check(target, mesh, entry.path)
     placements = planned_placements(module, entries, styles, replicate_unplanned=replicate_unplanned_params)
     ties = check_ties(module, placements)
+    earlier = earlier_ties(module, placements, mesh)
     check_whole_units(module, placements, mesh.size())
-    return entries, styles, targets, ties
+    return entries, styles, targets, ties, earlier
 
 
 def _facts(module: nn.Module, entries: list[PlanEntry], ties: list[list[str]]) -> list[Fact]:

@@ -8,6 +8,12 @@ and of :class:`torch_tp.models.moe.GroupedExperts`:
 * it is called as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` and
   returns ``[T, H]``: for each token, the sum over its ``k`` experts of weight x expert(token).
 
+*Dense* experts (Llama-4's ``Llama4TextExperts``) are called as ``experts(hidden_states
+[E * T, H])``: every token once per expert, expert-major, pre-scaled by its routing weight.
+``ExpertParallel`` runs each rank's experts on their rows and all-gathers the results;
+``ExpertTensorParallel`` shards ``gate_up_proj [E, H, 2I]`` on ``2I`` (packed) and
+``down_proj [E, I, H]`` on ``I`` and reduces the partial sums.
+
 The styles run the module's *own* forward on this rank's shards of the weights (its
 parameters are swapped for their local tensors while it runs), so any module keeping that
 contract works, whatever its expert math.
@@ -36,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -46,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from torch_tp._agreement import Fact, check_on_every_rank
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
 from torch_tp.parallel import _dispatch, rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters
@@ -60,6 +68,31 @@ _CONTRACT = (
 #: ExpertTensorParallel's layout: parameter -> (sharded dim, packed parts). gate_up_proj is
 #: [E, 2I, H] ([gate; up] along dim 1), down_proj is [E, H, I]: transformers' Mixtral/Qwen3-MoE.
 _HIDDEN_DIM_SHARDS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+#: The same for *dense* experts (Llama-4's ``Llama4TextExperts``): gate_up_proj [E, H, 2I], down_proj [E, I, H].
+_DENSE_HIDDEN_DIM_SHARDS = {"gate_up_proj": (2, 2), "down_proj": (1, 1)}
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Grouped experts take ``(hidden_states, top_k_index, top_k_weights)``; *dense* experts
+    (Llama-4's) take ``hidden_states`` alone: ``[E * T, H]``, every token once per expert,
+    expert-major, already scaled by its routing weight (zero where not routed)."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in inspect.signature(module.forward).parameters.values()) >= 3
+
+
+def _hidden_dim_shards(module: nn.Module) -> dict[str, tuple[int, int]] | None:
+    """``{parameter: (sharded dim, packed parts)}`` for the module's layout, or ``None``."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    if set(shapes) != set(_HIDDEN_DIM_SHARDS) or getattr(module, "is_transposed", False):
+        return None
+    gate_up, down = shapes["gate_up_proj"], shapes["down_proj"]
+    if len(gate_up) != 3 or len(down) != 3:
+        return None
+    if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+        return _HIDDEN_DIM_SHARDS
+    if not _takes_routing(module) and gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+        return _DENSE_HIDDEN_DIM_SHARDS
+    return None
 _ROUTE_ATTR = "_torch_tp_route"
 
 
@@ -120,24 +153,22 @@ def _check_expert_tensor_parallel(module: nn.Module, device_mesh: DeviceMesh | i
     _require_grouped_experts(module, style, module_path)
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     where = rules.describe(module, module_path)
-    if set(shapes) != set(_HIDDEN_DIM_SHARDS) or getattr(module, "is_transposed", False) or _mismatched(shapes):
+    shards = _hidden_dim_shards(module)
+    if shards is None:
         raise rules.UnsupportedModuleError(
             f"{style} cannot split {where} (parameters {shapes}, is_transposed="
             f"{getattr(module, 'is_transposed', False)}): it takes gate_up_proj [E, 2I, H] and down_proj "
-            f"[E, H, I] (transformers' Mixtral / Qwen3-MoE experts, torch_tp.models.moe.GroupedExperts). "
-            f"Use ExpertParallel, which takes any grouped-experts module"
+            f"[E, H, I] (transformers' Mixtral / Qwen3-MoE experts, torch_tp.models.moe.GroupedExperts), or "
+            f"dense experts gate_up_proj [E, H, 2I] and down_proj [E, I, H] (Llama-4). Use ExpertParallel, "
+            f"which takes any grouped-experts module"
         )
-    hidden, world = shapes["down_proj"][2], rules.mesh_size(device_mesh)
+    dim, _ = shards["down_proj"]
+    hidden, world = shapes["down_proj"][dim], rules.mesh_size(device_mesh)
     if hidden < world:
         raise ValueError(
             f"{style} cannot split the expert hidden size {hidden} of {where} over {world} ranks; "
             f"use a smaller tensor-parallel mesh or ExpertParallel"
         )
-
-
-def _mismatched(shapes: dict[str, tuple[int, ...]]) -> bool:
-    gate_up, down = shapes["gate_up_proj"], shapes["down_proj"]
-    return len(gate_up) != 3 or len(down) != 3 or gate_up[1] != 2 * down[2] or gate_up[2] != down[1]
 
 
 # ------------------------------------------------------------------------- the forwards
@@ -194,6 +225,51 @@ def _home(out: torch.Tensor, hidden_states: torch.Tensor, mesh: DeviceMesh, layo
     return finish_output(out, use_local_output)
 
 
+def _routing_facts(module, hidden_states, top_k_index, top_k_weights, layout: Placement, style: str) -> list[Fact]:
+    """This rank's checks of one routing (the ids, their shapes), and what every rank must share.
+
+    The all-to-all split sizes and the gathered token counts come from these tensors: an id past
+    ``num_experts`` on one rank would abort another (gloo's size check), a negative one leave the
+    others waiting, replicated tokens of different counts misalign every exchange.
+    """
+    tokens = hidden_states.shape[0]
+    where = f"{style} on {type(module).__name__}"
+    if top_k_index.ndim != 2 or top_k_index.shape[0] != tokens or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(
+            f"torch_tp.parallel.experts: {where} needs top_k_index and top_k_weights shaped [tokens, k] "
+            f"for hidden_states [tokens, hidden]; this rank got {tuple(top_k_index.shape)} and "
+            f"{tuple(top_k_weights.shape)} for {tuple(hidden_states.shape)}"
+        )
+    if top_k_index.is_floating_point() or top_k_index.is_complex():
+        raise TypeError(f"torch_tp.parallel.experts: {where}: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    ids = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
+    if ids.numel() and bool(((ids < 0) | (ids >= module.num_experts)).any()):
+        raise ValueError(
+            f"torch_tp.parallel.experts: {where}: this rank routes to expert ids from {int(ids.min())} to "
+            f"{int(ids.max())}, outside 0 .. {module.num_experts - 1} (num_experts={module.num_experts}); "
+            f"check the router's top-k (an id past the last expert would abort another rank's all-to-all)"
+        )
+    facts = [
+        Fact("routings have different top-k", top_k_index.shape[1], "every rank's router must pick the same k"),
+        Fact("tokens have different hidden shapes and dtypes", (tuple(hidden_states.shape[1:]), str(hidden_states.dtype)),
+             "feed every rank tokens of the same width and dtype"),
+    ]
+    if layout == Replicate() and not isinstance(hidden_states, DTensor):
+        facts.append(Fact("replicated tokens differ in number", tokens,
+                          "with input_layouts=Replicate() every rank must hold the same tokens; for each "
+                          "rank's own tokens pass input_layouts=Shard(0)"))
+    return facts
+
+
+def _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, *, mesh, layout, style) -> None:
+    """One agreement (8 bytes per rank) before the routing's collectives: a bad id, shape or token
+    count on any rank raises a named error on every rank, not an abort or a hang."""
+    check_on_every_rank(
+        mesh.get_group(), lambda: _routing_facts(module, hidden_states, top_k_index, top_k_weights, layout, style),
+        what=style, device=torch.device(mesh.device_type), at_runtime=True,
+    )
+
+
 def _tokens_layout(hidden_states: torch.Tensor, declared: Placement, style: str) -> Placement:
     if isinstance(hidden_states, DTensor):
         return _require_token_layout(hidden_states.placements[0], "input DTensor placements", style)
@@ -205,6 +281,7 @@ def _expert_parallel_forward(
     module, hidden_states, top_k_index, top_k_weights, *, inner, mesh, input_layouts, use_local_output
 ):
     layout = _tokens_layout(hidden_states, input_layouts, "ExpertParallel")
+    _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, mesh=mesh, layout=layout, style="ExpertParallel")
     group, world = mesh.get_group(), mesh.size()
     tokens, index, weights = (_own_tokens(v, mesh, layout) for v in (hidden_states, top_k_index, top_k_weights))
     route = _dispatch.plan_route(index, module.num_experts, group, world)
@@ -244,12 +321,73 @@ def _expert_tensor_parallel_forward(
     module, hidden_states, top_k_index, top_k_weights, *, inner, mesh, input_layouts, output_layouts, use_local_output
 ):
     layout = _tokens_layout(hidden_states, input_layouts, "ExpertTensorParallel")
+    _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, mesh=mesh, layout=layout,
+                      style="ExpertTensorParallel")
     count = _token_count(hidden_states, mesh, layout)
     tokens, weights, index = (_all_tokens(v, mesh, layout, count) for v in (hidden_states, top_k_weights, top_k_index))
     with _local_parameters(module):
         partial = inner(tokens, index, weights)
     out = DTensor.from_local(partial, mesh, (Partial(),), run_check=False)
     return finish_output(redistribute_to(out, output_layouts), use_local_output)
+
+
+# ------------------------------------------------------------------ dense experts (Llama-4)
+
+
+def _dense_facts(module, hidden_states, style: str) -> list[Fact]:
+    rows, experts = hidden_states.shape[0], module.num_experts
+    if hidden_states.ndim != 2 or rows % experts:
+        raise ValueError(
+            f"torch_tp.parallel.experts: {style} on {type(module).__name__} (dense experts) needs hidden_states "
+            f"[num_experts * tokens, hidden] = [{experts} * T, H]; this rank got {tuple(hidden_states.shape)}"
+        )
+    return [Fact("dense experts' inputs have different shapes and dtypes", (tuple(hidden_states.shape), str(hidden_states.dtype)),
+                 "every rank must feed the dense experts the same [num_experts * tokens, hidden] rows")]
+
+
+def _agree_on_dense_input(module, hidden_states, mesh, style: str) -> None:
+    check_on_every_rank(mesh.get_group(), lambda: _dense_facts(module, hidden_states, style), what=style,
+                        device=torch.device(mesh.device_type), at_runtime=True)
+
+
+@torch.compiler.disable
+def _dense_expert_parallel_forward(module, hidden_states, *, inner, mesh, input_layouts, use_local_output):
+    """Each rank runs its experts' rows (expert-major ``[E, T, H]``: a ``Shard(0)`` of the
+    replicated input, no communication), then one all-gather makes every row whole again."""
+    _agree_on_dense_input(module, hidden_states, mesh, "ExpertParallel")
+    rows = hidden_states.to_local() if isinstance(hidden_states, DTensor) else hidden_states
+    experts, width = module.num_experts, rows.shape[-1]
+    per_expert = rows.reshape(experts, -1, width)
+    mine = redistribute_to(to_dtensor(per_expert, mesh, Replicate()), Shard(0)).to_local()
+    with _local_parameters(module):
+        out = inner(mine.reshape(-1, width)).reshape(mine.shape)
+    shape = per_expert.shape
+    sharded = DTensor.from_local(out, mesh, (Shard(0),), run_check=False, shape=shape,
+                                 stride=(shape[1] * shape[2], shape[2], 1))
+    whole = redistribute_to(sharded, Replicate())
+    return finish_output(whole, True).reshape(-1, width) if use_local_output else whole
+
+
+@torch.compiler.disable
+def _dense_expert_tensor_parallel_forward(
+    module, hidden_states, *, inner, mesh, input_layouts, output_layouts, use_local_output
+):
+    """Every rank runs every row through its slice of every expert; the partial sums are reduced."""
+    _agree_on_dense_input(module, hidden_states, mesh, "ExpertTensorParallel")
+    rows = _all_tokens(hidden_states, mesh, Replicate(), None)
+    with _local_parameters(module):
+        partial = inner(rows)
+    out = DTensor.from_local(partial, mesh, (Partial(),), run_check=False)
+    return finish_output(redistribute_to(out, output_layouts), use_local_output)
+
+
+def _require_replicated_dense_input(module: nn.Module, layouts: dict, style: str) -> None:
+    if not _takes_routing(module) and any(layout != Replicate() for layout in layouts.values()):
+        raise ValueError(
+            f"{style}({', '.join(f'{k}={v!r}' for k, v in layouts.items())}) on {type(module).__name__}: dense "
+            f"experts (every token once per expert, Llama-4's) take and return every row on every rank: "
+            f"leave the layouts at Replicate()"
+        )
 
 
 # ----------------------------------------------------------------------------------- styles
@@ -300,11 +438,12 @@ class ExpertParallel(ParallelStyle):
 
     def check(self, module, device_mesh, module_path=None):
         _check_expert_parallel(module, device_mesh, module_path)
+        _require_replicated_dense_input(module, {"input_layouts": self.input_layouts}, "ExpertParallel")
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        forward = _expert_parallel_forward if _takes_routing(module) else _dense_expert_parallel_forward
         return _apply_expert_style(
-            self, "ExpertParallel", module, device_mesh, src_data_rank, _expert_parallel_forward,
-            input_layouts=self.input_layouts,
+            self, "ExpertParallel", module, device_mesh, src_data_rank, forward, input_layouts=self.input_layouts,
         )
 
 
@@ -349,14 +488,18 @@ class ExpertTensorParallel(ParallelStyle):
         self.use_local_output = rules.flag(self.use_local_output, "use_local_output", name)
 
     def param_placements(self, module):
-        return {name: rules.packed_shard(dim, parts) for name, (dim, parts) in _HIDDEN_DIM_SHARDS.items()}
+        shards = _hidden_dim_shards(module) or _HIDDEN_DIM_SHARDS
+        return {name: rules.packed_shard(dim, parts) for name, (dim, parts) in shards.items()}
 
     def check(self, module, device_mesh, module_path=None):
         _check_expert_tensor_parallel(module, device_mesh, module_path)
+        _require_replicated_dense_input(module, {"input_layouts": self.input_layouts}, "ExpertTensorParallel")
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        dense = not _takes_routing(module)
+        forward = _dense_expert_tensor_parallel_forward if dense else _expert_tensor_parallel_forward
         return _apply_expert_style(
-            self, "ExpertTensorParallel", module, device_mesh, src_data_rank, _expert_tensor_parallel_forward,
+            self, "ExpertTensorParallel", module, device_mesh, src_data_rank, forward,
             input_layouts=self.input_layouts, output_layouts=self.output_layouts,
         )
 

@@ -157,6 +157,7 @@ def fully_shard_by_pattern(
     predictions = _predicted(model, dp_mesh.size(), tp_mesh.size() if tp_mesh is not None else 1, min_weight_size)
     _require_one_dtype_under_mixed_precision(predictions, mp_policy)
     _report_unsharded(predictions)
+    _report_whole_units(model, units, predictions, min_weight_size)
     ignored = {param for param, placement, _ in predictions.values() if placement == Replicate()}
     by_id = {id(param): placement for param, placement, _ in predictions.values()}
     shard_fn = partial(_shard_placement, by_id=by_id)
@@ -259,6 +260,26 @@ def _report_unsharded(predictions: dict) -> None:
         )
     if small:
         _log.info("%s: %d parameter(s) under min_weight_size stay replicated over dp: %s", _CALLER, len(small), small)
+
+
+def _report_whole_units(model: nn.Module, units: list[str], predictions: dict, min_weight_size: int) -> None:
+    """Warn about matched units that shard nothing over dp: every parameter of theirs stays
+    replicated (a small model under the default ``min_weight_size``), so FSDP saves nothing there."""
+    replicated_names = {name for name, (_, placement, _) in predictions.items() if placement == Replicate()}
+    whole = []
+    for unit in filter(None, units):
+        names = [f"{unit}.{name}" for name, _ in model.get_submodule(unit).named_parameters()]
+        if names and all(name in replicated_names for name in names):
+            whole.append(unit)
+    if whole:
+        shown = ", ".join(repr(u) for u in whole[:4]) + (", ..." if len(whole) > 4 else "")
+        warnings.warn(
+            f"{_CALLER}: {len(whole)} of the {len([u for u in units if u])} matched units ({shown}) shard "
+            f"nothing over dp: each of their parameters is under min_weight_size={min_weight_size} elements "
+            f"or has no dim that splits evenly, so every dp rank holds them whole. Lower min_weight_size "
+            f"(min_weight_size=1 shards every parameter with an even dim) if their memory matters",
+            stacklevel=3,
+        )
 
 
 def _require_one_dtype_under_mixed_precision(predictions: dict, mp_policy: MixedPrecisionPolicy) -> None:

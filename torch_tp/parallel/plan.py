@@ -36,11 +36,12 @@ Example::
 from __future__ import annotations
 
 import difflib
+import weakref
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -55,6 +56,10 @@ __all__ = [
     "planned_placements",
     "check_ties",
     "check_whole_units",
+    "earlier_ties",
+    "keep_earlier_ties",
+    "owned_parameters",
+    "remember_replaced",
     "retie",
 ]
 
@@ -269,7 +274,7 @@ def planned_placements(root: nn.Module, entries: list[PlanEntry], styles: list, 
         {'0.weight': Shard(dim=0), '0.bias': Shard(dim=0), '1.weight': None, '1.bias': None}
     """
     rest = Replicate() if replicate_unplanned else None
-    placements: dict[str, Placement | None] = {name: rest for name, _ in _owned_parameters(root)}
+    placements: dict[str, Placement | None] = {name: rest for name, _ in owned_parameters(root)}
     placed_by: dict[str, PlanEntry] = {}
     for entry, style in zip(entries, styles):
         module = root.get_submodule(entry.path)
@@ -288,8 +293,16 @@ def _placed_twice_error(path: str, first: PlanEntry, second: PlanEntry) -> Value
     )
 
 
-def _owned_parameters(root: nn.Module):
-    """``(path, parameter)`` for every module's own parameters, a shared parameter once per owner."""
+def owned_parameters(root: nn.Module):
+    """``(path, parameter)`` for every module's own parameters, a shared parameter once per owner.
+
+    Example::
+
+        >>> model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2, bias=False)})
+        >>> model["b"].weight = model["a"].weight  # tied: listed under both owners
+        >>> [path for path, _ in owned_parameters(model)]
+        ['a.weight', 'a.bias', 'b.weight']
+    """
     for module_path, module in root.named_modules():
         for name, param in module._parameters.items():
             if param is not None:
@@ -313,7 +326,7 @@ def check_ties(root: nn.Module, placements: dict[str, Placement | None]) -> list
         [['embed.weight', 'head.weight']]
     """
     owners: dict[int, list[str]] = {}
-    for path, param in _owned_parameters(root):
+    for path, param in owned_parameters(root):
         owners.setdefault(id(param), []).append(path)
     ties = [paths for paths in owners.values() if len(paths) > 1]
     for paths in ties:
@@ -367,6 +380,76 @@ def retie(root: nn.Module, ties: list[list[str]]) -> None:
         for path in paths[1:]:
             owner, _, name = path.rpartition(".")
             root.get_submodule(owner).register_parameter(name, shared)
+
+
+# Ties split across parallelize_module calls: a call on a submodule (a base model holding the
+# embedding) cannot see a sharer outside it (the head). It marks each Parameter it replaced with
+# its replacement; a later call whose module holds a marked Parameter must place it the same way,
+# and then holds the earlier replacement there: the tie is whole again.
+
+_PLACED_AS = "_torch_tp_placed_as"  # on a replaced Parameter: (weakref to its DTensor replacement, its path)
+
+
+def remember_replaced(root: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """Mark each Parameter of ``before`` (path -> parameter, taken before the styles ran) that
+    ``root`` now holds as another (a DTensor) with its replacement, for later calls.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("runs inside parallelize_module, after the styles")
+        >>> remember_replaced(model, before)
+    """
+    for path, param in before.items():
+        now = root.get_parameter(path)
+        if now is not param and isinstance(now, DTensor):
+            param.__dict__[_PLACED_AS] = (weakref.ref(now), path)
+
+
+def earlier_ties(root: nn.Module, placements: dict[str, Placement | None], mesh) -> list[tuple[str, nn.Parameter]]:
+    """The plain parameters of ``root`` tied to one an earlier call replaced (the tie split there),
+    with that replacement; raise unless this plan places each exactly as the earlier call did.
+
+    Example::
+
+        >>> model = nn.Linear(2, 2)
+        >>> earlier_ties(model, {"weight": None, "bias": None}, mesh=None)
+        []
+    """
+    kept = []
+    for path, param in owned_parameters(root):
+        mark = None if isinstance(param, DTensor) else param.__dict__.get(_PLACED_AS)
+        placed = mark[0]() if mark else None
+        if placed is None:
+            continue
+        earlier = placed.placements[0] if placed.device_mesh == mesh and len(placed.placements) == 1 else None
+        if earlier is None or placements.get(path) != earlier:
+            raise _split_tie_error(root, path, mark[1], placed, placements.get(path))
+        kept.append((path, placed))
+    return kept
+
+
+def _split_tie_error(root: nn.Module, path: str, earlier_path: str, placed: DTensor, placement) -> ValueError:
+    want = placed.placements[0] if len(placed.placements) == 1 else placed.placements
+    styles = " or ".join(_placed_as(root, path, want)) or f"a style placing it as {want!r}"
+    return ValueError(
+        f"parallelize_module: parameter {path!r} is tied to the one an earlier parallelize_module call "
+        f"placed as {want!r} on {placed.device_mesh} (there at {earlier_path!r}: that call's module did not "
+        f"hold {path!r}, so the tie was split), but this plan {'leaves it plain' if placement is None else f'places it as {placement!r}'}. "
+        f"Place {path.rpartition('.')[0]!r} with {styles} on the same mesh, and torch_tp ties the two again; "
+        f"or parallelize one module holding both in one call"
+    )
+
+
+def keep_earlier_ties(root: nn.Module, kept: list[tuple[str, nn.Parameter]]) -> None:
+    """Make each path of :func:`earlier_ties` hold the earlier call's Parameter: one tie again.
+
+    Example::
+
+        >>> keep_earlier_ties(nn.Linear(2, 2), [])
+    """
+    for path, placed in kept:
+        owner, _, name = path.rpartition(".")
+        root.get_submodule(owner).register_parameter(name, placed)
 
 
 def check_whole_units(root: nn.Module, placements: dict[str, Placement | None], num_ranks: int) -> None:

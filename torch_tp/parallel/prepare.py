@@ -20,7 +20,7 @@ from functools import partial
 from torch.distributed.tensor import Replicate, Shard  # noqa: F401  (doctest names)
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import finish_output, redistribute_to, to_dtensor
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to
 from torch_tp.parallel import rules
 from torch_tp.parallel._style_base import ParallelStyle
 
@@ -73,7 +73,7 @@ def _prepare_value(value, layout, desired, *, device_mesh, use_local, position, 
     if layout is None:
         return value
     tensor = rules.require_tensor_input(value, position, module, module_path, style)
-    dvalue = to_dtensor(tensor, device_mesh, layout)
+    dvalue = agreed_dtensor(tensor, device_mesh, layout, what=f"{style} on {rules.describe(module, module_path)}")
     if desired is not None:
         dvalue = redistribute_to(dvalue, desired)
     return finish_output(dvalue, use_local)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import finish_output, redistribute_to, replace_forward, to_dtensor
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward
 from torch_tp.parallel import _overlap, rules
 from torch_tp.parallel._style_base import ParallelStyle
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
@@ -168,10 +168,11 @@ def _sharded_input(module, args, *, device_mesh, layout, desired, sharded_dim_si
     x = rules.require_first_input(args, module, module_path, style)
     size = sharded_dim_size if _shards_last_dim(layout, x.ndim) else None
     layout, desired = _packed(layout, packed, x.ndim), _packed(desired, packed, x.ndim)
-    return (redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed), desired), *args[1:])
+    what = f"{style} on {rules.describe(module, module_path)}"
+    return (redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed, what), desired), *args[1:])
 
 
-def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, packed: int) -> DTensor:
+def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, packed: int, what: str) -> DTensor:
     """``to_dtensor``, plus the global size of a packed last dim, which ``to_dtensor`` cannot rebuild.
 
     A last-dim size is known only when ``layout`` shards the last dim, which ``packed > 1``
@@ -180,7 +181,7 @@ def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, pa
     """
     if packed > 1 and last_dim_size is not None and not isinstance(x, DTensor):
         return _packed_dtensor(x, device_mesh, layout, (*x.shape[:-1], last_dim_size))
-    return to_dtensor(x, device_mesh, layout, sharded_dim_size=last_dim_size)
+    return agreed_dtensor(x, device_mesh, layout, sharded_dim_size=last_dim_size, what=what)
 
 
 def _shards_last_dim(layout: Placement, ndim: int) -> bool:
@@ -196,7 +197,8 @@ def _packed(layout: Placement | None, packed: int, ndim: int) -> Placement | Non
 
 def _sequence_input(module, args, *, device_mesh, layout, module_path):
     x = rules.require_first_input(args, module, module_path, "SequenceParallel")
-    return (redistribute_to(to_dtensor(x, device_mesh, layout), layout), *args[1:])
+    what = f"SequenceParallel on {rules.describe(module, module_path)}"
+    return (redistribute_to(agreed_dtensor(x, device_mesh, layout, what=what), layout), *args[1:])
 
 
 def _output_to(module, inputs, output, *, layout, use_local_output, packed=1):

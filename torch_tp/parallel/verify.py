@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamPar
 
 from torch_tp.parallel import rules
 from torch_tp.parallel._verify_report import (
+    BUFFER,
+    EVAL,
     GRADIENT,
     INITIAL,
     INPUTS,  # noqa: F401  (re-exported with the other finding kinds)
@@ -45,7 +47,10 @@ from torch_tp.parallel._verify_report import (
 )
 from torch_tp.parallel.api import parallelize_module
 
-__all__ = ["Finding", "VerificationReport", "verify_plan"]
+__all__ = ["MAX_STEPS", "Finding", "VerificationReport", "verify_plan"]
+
+#: The most steps ``verify_plan(steps=None)`` runs while steps still move new parameters.
+MAX_STEPS = 8
 
 def verify_plan(
     build_model: Callable[[], nn.Module],
@@ -54,7 +59,7 @@ def verify_plan(
     example_inputs: tuple | Callable[[int], tuple],
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    steps: int = 1,
+    steps: int | None = None,
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
     atol: float = 1e-5,
     rtol: float = 1e-5,
@@ -69,8 +74,9 @@ def verify_plan(
     On every rank, ``build_model()`` is called twice under ``torch.manual_seed(seed)``: once
     for the reference, once for the copy that ``plan`` parallelizes. Both then run ``steps``
     training steps on the same inputs (forward, ``loss_fn``, backward, ``optimizer`` step),
-    and after each step verify_plan compares every output, every parameter gradient and
-    every updated parameter, paired by ``named_parameters()`` name, DTensors as full tensors.
+    and after each step verify_plan compares every output, every parameter gradient, every
+    updated parameter and every buffer (running statistics), paired by name, DTensors as full
+    tensors; then both models run one forward in eval mode on the next inputs, compared too.
     It also reports ties broken (parameters that are one object in the reference but not in
     the parallel model), replicated parameters (plain or ``Replicate()``) whose gradients
     differ between ranks, and plain parameters whose module ran on DTensor inputs. Findings
@@ -90,7 +96,12 @@ def verify_plan(
     Keyword Args:
         loss_fn: ``loss_fn(output) -> scalar``. Default: the sum of every floating tensor in
             the output (a tensor, tuple, list, dict or ``ModelOutput``).
-        steps (int): training steps. Default 1.
+        steps (int, optional): training steps. Default ``None``: until a step moves no
+            parameter that the steps before it had not moved, at least 2 and at most
+            ``MAX_STEPS``. So every parameter a step changed (a zero-initialized output
+            projection after its first update) has run in a forward and a backward with its new
+            value before verify_plan stops: an error that only shows once a parameter moved
+            is found. A chain of ``d`` layers initialized to zero needs ``d + 1`` steps.
         optimizer: ``optimizer(parameters) -> Optimizer``, called for each model. Default
             ``torch.optim.SGD`` (lr 1e-3); e.g. ``functools.partial(torch.optim.AdamW, lr=1e-2)``.
         atol, rtol (float): a tensor agrees when every element is within
@@ -140,9 +151,9 @@ def verify_plan(
         parallel = _parallelized(_built(build_model, seed), mesh, plan, replicate_unplanned_params)
         run = _TrainingPair(reference, parallel, mesh, optimizer, loss_fn, shard_inputs, gather_outputs, found)
         run.compare_structure()
-        for step in range(steps):
-            run.step(step, _inputs_of_step(example_inputs, step, seed), seed)
-    report = _agreed_report(found, mesh, steps, atol, rtol)
+        ran = run.train(example_inputs, steps, seed)
+        run.evaluate(ran, _inputs_of_step(example_inputs, ran, seed), seed)
+    report = _agreed_report(found, mesh, ran, atol, rtol)
     if raise_on_mismatch and not report.ok:
         raise AssertionError(str(report))
     return report
@@ -155,8 +166,8 @@ def _require_arguments(mesh: object, plan: object, steps: object, replicate_unpl
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"verify_plan needs a DeviceMesh (e.g. init_device_mesh('cpu', (2,))), got {type(mesh).__name__}")
     rules.require_1d_mesh(mesh, "verify_plan")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"verify_plan: steps must be a positive int, got {steps!r}")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"verify_plan: steps must be a positive int or None (until no new parameter moves), got {steps!r}")
     if _is_style_plan(plan):
         return
     if not callable(plan):
@@ -328,6 +339,38 @@ class _TrainingPair:
             self.found.add(NAMES, name, None, "in the parallel model only")
         self.compare_parameters(INITIAL, None)
 
+    def train(self, example_inputs: Any, steps: int | None, seed: int) -> int:
+        """Run ``steps`` training steps, or (``None``) until a step moves no parameter the steps
+        before it had not moved (at least 2, at most ``MAX_STEPS``). Returns the steps run.
+
+        Decided on the single-process model, the same on every rank."""
+        initial = {name: _plain_values(p).clone() for name, p in self.reference_params.items()}
+        moved: set[str] = set()
+        step = 0
+        while True:
+            self.step(step, _inputs_of_step(example_inputs, step, seed), seed)
+            step += 1
+            now = {name for name, p in self.reference_params.items() if not torch.equal(_plain_values(p), initial[name])}
+            newly, moved = now - moved, moved | now
+            if step == steps or (steps is None and ((step >= 2 and not newly) or step == MAX_STEPS)):
+                return step
+
+    @torch.no_grad()
+    def evaluate(self, step: int, args: tuple, seed: int) -> None:
+        """One forward of both models in eval mode (their modes restored after), compared."""
+        modes = [(m, m.training) for model in (self.reference, self.parallel) for m in model.modules()]
+        try:
+            self.reference.eval(), self.parallel.eval()
+            torch.manual_seed(seed + 1 + step)
+            reference_out = self.reference(*args)
+            torch.manual_seed(seed + 1 + step)
+            parallel_out = self.parallel_forward(args)
+            for name, actual, expected in self.paired_outputs(parallel_out, reference_out):
+                self.found.compare(EVAL, name, step, actual, expected)
+        finally:
+            for module, training in modes:
+                module.training = training
+
     def step(self, step: int, args: tuple, seed: int) -> None:
         """One training step of both models, comparing outputs, gradients and updated parameters."""
         self.found.input_digests.append(_digest(args))
@@ -400,6 +443,17 @@ class _TrainingPair:
         for name, expected in self.reference_params.items():
             if name in self.parallel_params:
                 self.found.compare(kind, name, step, _whole(self.parallel_params[name]), expected)
+        self.compare_buffers(step)
+
+    @torch.no_grad()
+    def compare_buffers(self, step: int | None) -> None:
+        parallel_buffers = dict(self.parallel.named_buffers(remove_duplicate=False))
+        for name, expected in self.reference.named_buffers(remove_duplicate=False):
+            actual = parallel_buffers.get(name)
+            if actual is None:
+                self.found.add(BUFFER, name, None, "in the single-process model only")
+            else:
+                self.found.compare(BUFFER, name, step, _whole(actual), expected)
 
 
 # ------------------------------------------------------------ structural findings

@@ -140,18 +140,27 @@ def communication_of(step: Callable[[], Any]) -> tuple[int, dict[str, int]]:
     :mod:`torch_tp.overlap`'s fused ops); the second counts collectives under
     ``CommDebugMode``. Its module tracker installs full backward hooks, for which PyTorch
     warns about modules whose inputs need no gradient (token ids): that warning is silenced.
+    torch_tp's forward-time agreement checks (:mod:`torch_tp._agreement`, one 8-byte
+    ``all_gather`` each) are listed apart, as ``"agreement checks"``.
 
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> communication_of(lambda: model(tokens).sum().backward())
-        (18, {'all_gather_into_tensor': 2, 'reduce_scatter_tensor': 1})
+        (18, {'agreement checks': 2, 'all_gather_into_tensor': 2, 'reduce_scatter_tensor': 1})
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from torch_tp._agreement import checks_run
+
     with record_p2p() as p2p:
         step()
+    before = checks_run()
     with CommDebugMode() as mode, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         step()
-    return sum(kind == "send" for kind, _, _ in p2p), comm_counts(mode)
+    counts, checks = comm_counts(mode), checks_run() - before
+    if checks:
+        counts["all_gather"] -= checks
+        counts = {name: n for name, n in counts.items() if n} | {"agreement checks": checks}
+    return sum(kind == "send" for kind, _, _ in p2p), counts

@@ -5,7 +5,9 @@ Worker processes are started once per world size and reused by every later
 call, so a test costs one task round-trip instead of a multi-second spawn.
 A failing, hanging or dying rank turns into a :class:`RankFailure` carrying
 that rank's traceback (or Python stack) and its recent output; the pool is
-then killed and respawned on the next call, never reused.
+then killed and respawned on the next call, never reused. Processes a rank's
+function started (``subprocess.Popen``) end with the pool: when it is killed
+after a failure, at :func:`shutdown_pools` and at exit.
 
 Example (in a pytest module; the rank function must be module-level)::
 
@@ -47,6 +49,7 @@ import traceback
 from multiprocessing.connection import wait as _wait_for_ready
 from typing import Any, Callable, Iterator, Mapping
 
+from torch_tp._orphans import descendants, end_processes, process_state
 from torch_tp.testing._rank import _log_path, _stack_path, _worker_main
 from torch_tp.testing._report import (
     _Reply,
@@ -350,16 +353,20 @@ class _WorkerPool:
 
     def stop(self) -> None:
         """Ask workers to leave cleanly; kill whatever does not."""
+        started = self._started()
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(("stop",))
         deadline = time.monotonic() + _STOP_WAIT
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
+        self.kill(started)
 
-    def kill(self) -> None:
-        """Kill every worker and remove the pool's files."""
+    def kill(self, started: dict[int, int] | None = None) -> None:
+        """Kill every worker and what they started (:func:`torch_tp._orphans.end_processes`:
+        the workers' descendants, ``started`` if noted earlier, and every process marked with
+        this pool's directory), and remove the pool's files."""
+        started = {**(started or {}), **self._started()}  # before the workers die: then they are orphans
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -369,8 +376,12 @@ class _WorkerPool:
                 proc.close()
         for conn in self.conns:
             conn.close()
+        end_processes(started, job=self.workdir)
         self.procs, self.conns = [], []
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _started(self) -> dict[int, int]:
+        return descendants([p.pid for p in self.procs if p.pid is not None and p.is_alive()])
 
     # -- tasks -------------------------------------------------------------
 
@@ -475,11 +486,13 @@ class _WorkerPool:
         self, headline: str, replies: dict[int, _Reply], log_offsets: list[int]
     ) -> _Report:
         silent = [r for r in range(self.size) if r not in replies]
-        stacks = self._dump_stacks(silent)
-        return _build_report(headline, self.workdir, replies, stacks, log_offsets)
+        stopped = frozenset(r for r in silent if self.procs[r].pid and process_state(self.procs[r].pid) == "T")
+        stacks = self._dump_stacks(silent, stopped)
+        return _build_report(headline, self.workdir, replies, stacks, log_offsets, stopped)
 
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask live ``ranks`` to write their Python stacks; return what they wrote."""
+    def _dump_stacks(self, ranks: list[int], stopped: frozenset[int] = frozenset()) -> dict[int, str]:
+        """Ask live ``ranks`` to write their Python stacks; return what they wrote. A rank
+        ``stopped`` by a signal is continued to write it (the pool is killed afterwards)."""
         offsets = {}
         for r in ranks:
             proc = self.procs[r]
@@ -488,6 +501,8 @@ class _WorkerPool:
                 offsets[r] = _file_size(path)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGUSR1)
+                    if r in stopped:  # the dump runs first, where it stopped
+                        os.kill(proc.pid, signal.SIGCONT)
         _wait_for_files_to_settle(
             {_stack_path(self.workdir, r): off for r, off in offsets.items()}, _STACK_DUMP_WAIT
         )

@@ -16,15 +16,14 @@ import os
 import pickle
 import signal
 import sys
-import traceback
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import exit_with
-from torch_tp._rank_failure import exception_record
+from torch_tp._orphans import exit_with, mark_job
+from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback
 
 
 __all__ = ["COLLECTIVE_TIMEOUT", "mesh_2x2", "rank", "tp_mesh", "world_size"]
@@ -54,6 +53,7 @@ def _stack_path(workdir: str, r: int) -> str:
 def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int) -> None:
     """Entry point of one worker process: set up, join the group, serve tasks."""
     exit_with(owner_pid)  # a rank blocked in a collective would outlive a killed pytest
+    mark_job(workdir)  # what the tasks start ends with the pool (_WorkerPool.kill)
     _redirect_stdio_to(_log_path(workdir, r))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -126,7 +126,7 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
         record = exception_record(exc, with_traceback=False)  # its traceback is set below
         record["traceback"] = (
             "the return value is not picklable; return plain data or tensors "
-            "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + traceback.format_exc()
+            "(e.g. dtensor.full_tensor()), not DTensors or meshes:\n" + formatted_traceback(exc)
         )
         return ("error", record)
 
@@ -139,19 +139,20 @@ def _adopt_sys_path(parent_path: list[str]) -> None:
 def _failure_record(exc: BaseException) -> dict[str, Any]:
     """:func:`torch_tp._rank_failure.exception_record`, with the harness's own frame left out."""
     record = exception_record(exc, with_traceback=False)
-    record["traceback"] = _format_exception()
+    record["traceback"] = _format_exception(bare_assert=isinstance(exc, AssertionError) and not record["message"])
     return record
 
 
-def _format_exception() -> str:
-    """The current exception's traceback, minus the harness's own frame."""
+def _format_exception(bare_assert: bool = False) -> str:
+    """The current exception's traceback, minus the harness's own frame (bounded, like every
+    text of a record: :func:`torch_tp._rank_failure.bounded`)."""
     exc = sys.exc_info()[1]
     assert exc is not None and exc.__traceback__ is not None
     tb = exc.__traceback__.tb_next or exc.__traceback__
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    if isinstance(exc, AssertionError) and not str(exc):  # a bare `assert`
+    text = formatted_traceback(exc, tb)
+    if bare_assert:  # a bare `assert`
         text += _innermost_locals(exc.__traceback__)
-    return text
+    return bounded(text, TRACEBACK_CHARS)
 
 
 def _innermost_locals(tb: Any, limit: int = 200) -> str:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_tp._orphans import without_watcher_threads
-from torch_tp._root_cause import RankOutcome, explain, root_cause
+from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, root_cause
 from torch_tp.testing._rank import _log_path
 
 
@@ -43,8 +44,9 @@ class _Report:
 
 def _parent_side_record(text: str) -> dict[str, Any]:
     """A failure record for what went wrong in the parent on a rank's behalf."""
-    return {"type": "RuntimeError", "message": text.strip().splitlines()[0], "traceback": text,
-            "time_ns": time.time_ns(), "collective": None, "symptom": False, "calls": {}}
+    return {"type": "RuntimeError", "message": bounded(text.strip().splitlines()[0], MESSAGE_CHARS),
+            "traceback": bounded(text, TRACEBACK_CHARS), "time_ns": time.time_ns(), "collective": None,
+            "symptom": False, "calls": {}}
 
 
 def _build_report(
@@ -53,15 +55,17 @@ def _build_report(
     replies: dict[int, _Reply],
     stacks: dict[int, str],
     log_offsets: list[int],
+    stopped: frozenset[int] = frozenset(),
 ) -> _Report:
     """Report on every rank that failed or, missing from ``replies``, did not answer: the root
     cause first (:mod:`torch_tp._root_cause`).
 
-    ``stacks`` holds the stack dumps of ranks that did not answer;
-    ``log_offsets`` (one per rank) says where each rank's log stood before.
+    ``stacks`` holds the stack dumps of ranks that did not answer, ``stopped`` those of them
+    found stopped by a signal (SIGSTOP); ``log_offsets`` (one per rank) says where each rank's
+    log stood before.
     """
     outcomes = [
-        _outcome(r, replies.get(r), stacks.get(r), _tail(_log_path(workdir, r), log_offsets[r]))
+        _outcome(r, replies.get(r), stacks.get(r), _tail(_log_path(workdir, r), log_offsets[r]), r in stopped)
         for r in range(len(log_offsets))
     ]
     message = explain(headline, outcomes, footer="The pool was killed and will be respawned on the next call.")
@@ -69,15 +73,16 @@ def _build_report(
     return _Report(message, sorted(o.rank for o in ordered), ordered[0].rank if ordered else None)
 
 
-def _outcome(r: int, reply: _Reply | None, stack: str | None, output: str) -> RankOutcome:
+def _outcome(r: int, reply: _Reply | None, stack: str | None, output: str, stopped: bool = False) -> RankOutcome:
     if reply is None:
-        return RankOutcome(r, "running", stack=without_watcher_threads(stack or ""), output=output, how="still running")
+        state, how = ("stopped", STOPPED) if stopped else ("running", "still running")
+        return RankOutcome(r, state, stack=without_watcher_threads(stack or ""), output=output, how=how)
     if reply.kind == "error":
         record = reply.payload if isinstance(reply.payload, dict) else _parent_side_record(str(reply.payload))
         return RankOutcome(r, "raised", record=record, output=output)
     if reply.kind == "died":
         return RankOutcome(r, "exited", exit_code=reply.payload, output=output)
-    return RankOutcome(r, "ok")
+    return RankOutcome(r, "ok", output=output)  # quoted if it returned early
 
 
 # Reading the files the ranks write (logs and stack dumps).
@@ -90,9 +95,13 @@ def _file_size(path: str) -> int:
         return 0
 
 
-def _read_from(path: str, offset: int) -> str:
+def _read_from(path: str, offset: int, limit: int | None = None) -> str:
+    """The file from ``offset`` on; with ``limit``, only its last ``limit`` bytes (a rank that
+    printed 50 MiB is not read whole)."""
     try:
         with open(path, "rb") as f:
+            if limit is not None:
+                offset = max(offset, f.seek(0, os.SEEK_END) - limit)
             f.seek(offset)
             return f.read().decode("utf-8", errors="replace")
     except OSError:
@@ -100,8 +109,9 @@ def _read_from(path: str, offset: int) -> str:
 
 
 def _tail(path: str, offset: int) -> str:
-    lines = _read_from(path, offset).rstrip().splitlines()
-    return "\n".join(lines[-LOG_TAIL_LINES:])
+    """The last lines a rank printed since ``offset``, at most ``OUTPUT_CHARS`` characters."""
+    lines = _read_from(path, offset, limit=4 * OUTPUT_CHARS).rstrip().splitlines()
+    return bounded("\n".join(lines[-LOG_TAIL_LINES:]), OUTPUT_CHARS)
 
 
 def _wait_for_files_to_settle(offsets: dict[str, int], limit: float) -> None:
