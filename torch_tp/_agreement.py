@@ -132,7 +132,7 @@ def runtime_checks_enabled() -> bool:
 def runtime_checks(enabled: bool) -> Iterator[None]:
     """Turn the forward-pass agreement checks on or off inside the block.
 
-    Each check costs one all-gather of 8 bytes per rank (see ``docs/agreement.md`` for the cost
+    Each check costs one all-gather of 8 bytes per rank (see ``docs/plans_and_styles.md``, *Checks at forward time*, for the cost
     per training step). Off, a rank whose inputs disagree with its peers' aborts or hangs the
     job inside the collective instead of raising a named error on every rank: turn them off
     only for a job whose inputs are known good.
