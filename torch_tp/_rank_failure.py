@@ -15,8 +15,9 @@ traceback     the formatted traceback, at most :data:`TRACEBACK_CHARS` character
 time_ns       ``time.time_ns()`` when it was recorded (ranks share one host clock)
 collective    the torch.distributed collective the exception came out of, if any:
               ``{"op": "all_reduce", "ranks": [0, 1], "tensors": "float32[4]"}``
-symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), or the
-              exception says it is a consequence (``exc.consequence is True``: torch_tp's
+symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), gloo
+              says a peer's connection closed or reset (wherever it surfaced: a peer that
+              died is never this rank's fault), or the exception says it is a consequence (``exc.consequence is True``: torch_tp's
               agreement raises it on the ranks whose own checks passed): the cause is another
               rank's, not this one's
 calls         ``{rank: "ALLREDUCE float32[1000]"}`` when torch's collective check
@@ -69,6 +70,8 @@ _FINGERPRINT = re.compile(
     r"Rank (?P<rank>\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
     r"OpType=(?P<op>\w+), TensorShape=(?P<shape>\[[^\]]*\]), TensorDtypes=(?P<dtype>\w+)"
 )
+#: How gloo says a peer went away (its process died or closed the group).
+_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 _STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line \d+ in (?P<name>\S+)')
 
 
@@ -96,7 +99,7 @@ def exception_record(exc: BaseException, *, with_traceback: bool = True) -> dict
         "traceback": formatted_traceback(exc) if with_traceback else "",
         "time_ns": time.time_ns(),
         "collective": collective,
-        "symptom": _says_consequence(exc) or (
+        "symptom": _says_consequence(exc) or _lost_peer(exc, message) or (
             not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__)),
         "calls": calls,
     }
@@ -205,6 +208,10 @@ def _describe(error: BaseException) -> str:
         return bounded(f"{_qualified_name(type(error))}: {error}", 500)
     except BaseException:  # noqa: BLE001
         return _qualified_name(type(error))
+
+
+def _lost_peer(exc: BaseException, message: str) -> bool:
+    return isinstance(exc, (RuntimeError, OSError)) and _LOST_PEER.search(message) is not None
 
 
 def _says_consequence(exc: BaseException) -> bool:

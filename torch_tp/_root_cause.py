@@ -38,13 +38,15 @@ from typing import Any
 
 from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded, collective_in_stack, recording_in_stack
 
-__all__ = ["OUTPUT_CHARS", "STOPPED", "RankOutcome", "explain", "exit_description", "root_cause"]
+__all__ = ["OUTPUT_CHARS", "STOPPED", "RankOutcome", "explain", "exit_description", "output_tail", "root_cause"]
 
 #: The most characters of a rank's output (and of a stack dump) a report quotes.
 OUTPUT_CHARS = 8192
 _SUMMARY_CHARS = 500  # of one rank's message on the summary line
 #: How a rank found stopped by a signal is described (its peers wait for it, then time out).
 STOPPED = "stopped by SIGSTOP (or another stop signal: the process was in state T) and never continued"
+#: Where native code says why a process ended: a C++ exception's ``what():``, Python's fatal error.
+_NATIVE_REASONS = ("what():", "Fatal Python error:")
 _OOM_HINT = " (most often the kernel's OOM killer, when memory runs out: see `dmesg`; nothing in a process can catch SIGKILL)"
 
 
@@ -224,6 +226,26 @@ def _left_early(ordered: list[RankOutcome]) -> str:
     )
 
 
+def output_tail(text: str, lines: int) -> str:
+    r"""The last ``lines`` lines of a rank's ``text``, at most :data:`OUTPUT_CHARS` characters, with
+    any earlier line in which native code said why the process ended kept in front: a SIGABRT's
+    ``what():`` comes before faulthandler's dump of every thread, which alone outgrows the tail.
+
+    Example::
+
+        >>> text = "  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes\n" + "stack\n" * 50
+        >>> output_tail(text, 2).splitlines()
+        ['  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes', '... (48 lines cut)', 'stack', 'stack']
+    """
+    every = text.rstrip().splitlines()
+    kept = every[-lines:]
+    earlier = every[:-lines] if len(every) > lines else []
+    reasons = [line for line in earlier if any(marker in line for marker in _NATIVE_REASONS)]
+    if reasons:
+        kept = [*reasons, f"... ({len(earlier) - len(reasons)} lines cut)", *kept]
+    return bounded("\n".join(kept), OUTPUT_CHARS)
+
+
 def _abort_reason(output: str, limit: int = 300) -> str:
     r"""``": <why>"`` from a rank's last output when native code said why it ended (a C++
     exception's ``what():`` line, Python's fatal error line), else ``""``: the summary line is
@@ -236,7 +258,7 @@ def _abort_reason(output: str, limit: int = 300) -> str:
         ': [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes'
     """
     lines = output.splitlines()
-    for marker in ("what():", "Fatal Python error:"):
+    for marker in _NATIVE_REASONS:
         for line in reversed(lines):
             if marker in line:
                 why = line.split("what():", 1)[-1].strip() if marker == "what():" else line.strip()

@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 
 from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
-from torch_tp._rank_failure import bounded, exception_record
-from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, root_cause
+from torch_tp._rank_failure import exception_record
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
 
@@ -514,8 +514,7 @@ def _stderr_tail(run_dir: str, rank: int) -> str:
         return ""
     with open(paths[0], "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * OUTPUT_CHARS))
-        lines = f.read().decode(errors="replace").rstrip().splitlines()
-    return bounded("\n".join(lines[-_OUTPUT_LINES:]), OUTPUT_CHARS)
+        return output_tail(f.read().decode(errors="replace"), _OUTPUT_LINES)
 
 
 def _split_fatal_dump(output: str) -> tuple[str, str]:

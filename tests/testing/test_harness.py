@@ -268,6 +268,25 @@ def test_the_collectives_list_names_every_collective_of_torch_distributed():
     assert public - not_collectives - COLLECTIVES == set()
 
 
+def test_a_peer_lost_anywhere_is_a_symptom_and_the_rank_that_crashed_comes_first():
+    # gloo's "Connection reset by peer" surfaces from frames the collectives list does not name
+    # (a wait inside a tensor subclass, a DTensor redistribute); the rank that died comes first
+    from torch_tp._rank_failure import exception_record
+    from torch_tp._root_cause import RankOutcome, root_cause
+
+    def wait_somewhere():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41: Connection reset by peer")
+
+    with pytest.raises(RuntimeError) as info:
+        wait_somewhere()
+    record = exception_record(info.value)
+    assert record["symptom"] and record["collective"] is None
+    assert not exception_record(RuntimeError("shape mismatch"))["symptom"]
+    peer = RankOutcome(1, "raised", record=record)
+    crashed = RankOutcome(0, "exited", exit_code=-11)
+    assert [o.rank for o in root_cause([peer, crashed])] == [0, 1]
+
+
 # ---------------------------------------------------------------- on_ranks
 
 

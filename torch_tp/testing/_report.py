@@ -15,7 +15,7 @@ from typing import Any
 
 from torch_tp._orphans import without_watcher_threads
 from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded
-from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, root_cause
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 from torch_tp.testing._rank import _log_path
 
 
@@ -109,9 +109,8 @@ def _read_from(path: str, offset: int, limit: int | None = None) -> str:
 
 
 def _tail(path: str, offset: int) -> str:
-    """The last lines a rank printed since ``offset``, at most ``OUTPUT_CHARS`` characters."""
-    lines = _read_from(path, offset, limit=4 * OUTPUT_CHARS).rstrip().splitlines()
-    return bounded("\n".join(lines[-LOG_TAIL_LINES:]), OUTPUT_CHARS)
+    """The last lines a rank printed since ``offset`` (:func:`torch_tp._root_cause.output_tail`)."""
+    return output_tail(_read_from(path, offset, limit=4 * OUTPUT_CHARS), LOG_TAIL_LINES)
 
 
 def _wait_for_files_to_settle(offsets: dict[str, int], limit: float) -> None:
