@@ -77,6 +77,20 @@ def _passes_another_size():
     dist.all_reduce(torch.ones(1000 if dist.get_rank() == _culprit() else 4))
 
 
+def _corrupts_its_heap():
+    # a double free: glibc aborts the process (a corrupted heap in native code ends the same way)
+    if dist.get_rank() == _culprit():
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        block = libc.malloc(24)
+        libc.free(block)
+        libc.free(block)
+    dist.all_reduce(torch.ones(4))
+
+
 def _rowwise_gets_the_wrong_width():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -238,6 +252,16 @@ def test_a_size_mismatch_names_the_rank_gloo_aborts_and_why(fail, world_size):
     assert _cause(message).startswith(f"rank {aborted} was killed by SIGABRT"), message
     assert "Received data size doesn't match expected size" in _cause(message), message
     assert _exit_code(error, aborted) in (-6, None)
+
+
+@HARNESSES
+def test_a_rank_aborted_by_a_corrupted_heap_is_named_with_glibcs_reason(fail):
+    # glibc's message comes before faulthandler's dump of every thread, which alone outgrows a
+    # report's tail: the report keeps it and its first line says what killed the rank (ranks send
+    # glibc's messages to stderr, which glibc would otherwise write to a terminal no log sees)
+    error, message = fail(_corrupts_its_heap, 2)
+    assert error.root_cause_rank == 1, message
+    assert _cause(message).startswith("rank 1 was killed by SIGABRT: free(): double free detected"), message
 
 
 @HARNESSES

@@ -30,6 +30,7 @@ were killed (a hang, an abort) rather than raising. Imports nothing from torch_t
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import traceback
@@ -45,6 +46,7 @@ __all__ = [
     "exception_record",
     "formatted_traceback",
     "mismatched_calls",
+    "native_errors_to_stderr",
     "recording_in_stack",
 ]
 
@@ -103,6 +105,20 @@ def exception_record(exc: BaseException, *, with_traceback: bool = True) -> dict
             not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__)),
         "calls": calls,
     }
+
+
+def native_errors_to_stderr() -> None:
+    """Have glibc write its fatal heap errors (``malloc(): unaligned tcache chunk detected``) to
+    stderr, where a rank's report reads them, instead of to the terminal (``/dev/tty``), which a
+    rank's log never sees: a rank that aborts on a corrupted heap then says so.
+
+    Example::
+
+        >>> native_errors_to_stderr()
+        >>> os.environ["LIBC_FATAL_STDERR_"]
+        '1'
+    """
+    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
 
 
 def bounded(text: str, limit: int) -> str:

@@ -45,8 +45,13 @@ OUTPUT_CHARS = 8192
 _SUMMARY_CHARS = 500  # of one rank's message on the summary line
 #: How a rank found stopped by a signal is described (its peers wait for it, then time out).
 STOPPED = "stopped by SIGSTOP (or another stop signal: the process was in state T) and never continued"
-#: Where native code says why a process ended: a C++ exception's ``what():``, Python's fatal error.
-_NATIVE_REASONS = ("what():", "Fatal Python error:")
+#: Where native code says why a process ended, most telling first: a C++ exception's ``what():``,
+#: glibc's heap checks (on stderr once :func:`torch_tp._rank_failure.native_errors_to_stderr`
+#: ran), Python's fatal error.
+_NATIVE_REASONS = (
+    "what():", "malloc(): ", "free(): ", "realloc(): ", "double free or corruption", "corrupted size vs. prev_size",
+    "munmap_chunk(): ", "Fatal Python error:",
+)
 _OOM_HINT = " (most often the kernel's OOM killer, when memory runs out: see `dmesg`; nothing in a process can catch SIGKILL)"
 
 

@@ -51,6 +51,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -63,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
-from torch_tp._rank_failure import exception_record
+from torch_tp._rank_failure import exception_record, native_errors_to_stderr
 from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
@@ -78,7 +79,9 @@ _TREE_EVERY = 5  # the watch notes the ranks' descendants every this many polls 
 _SHUTDOWN_TIMEOUT = 3  # seconds a rank gets to end after SIGTERM before SIGKILL
 _STACK_WAIT = 2.0  # seconds the parent waits for a stopped rank's stack dump to appear
 _OUTPUT_LINES = 30
-_PRELOAD = ["torch", "torch.distributed"]
+#: What the fork server imports once, so that every rank forks with it loaded (a rank would
+#: otherwise import torch_tp and the program's main module itself: seconds per rank).
+_PRELOAD = ["torch", "torch.distributed", "torch_tp"]
 # faulthandler's first line for each fatal signal
 _FATAL_SIGNALS = {
     "Aborted": -signal.SIGABRT,
@@ -160,7 +163,8 @@ def launch(
     then what happened to the other ranks.
 
     ``start_method`` is ``"forkserver"`` (the default where available: ranks fork from a
-    server that has torch imported, so they start in a fraction of a second) or ``"spawn"``.
+    server that has torch, torch_tp and the program's main module imported, so they start in a
+    fraction of a second) or ``"spawn"``.
     ``fn`` and ``args`` are pickled: ``fn`` must be a module-level function.
 
     ``check_collectives=True`` runs the ranks under torch's collective check
@@ -195,6 +199,7 @@ def launch(
 
 
 def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return: Callable[[], None] | None = None) -> None:
+    native_errors_to_stderr()
     device = rank_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -294,6 +299,14 @@ def _pid_path(run_dir: str, rank: int) -> str:
 # -- the parent ------------------------------------------------------------------------------------
 
 
+def _forkserver_preload() -> list[str]:
+    """:data:`_PRELOAD` and the program's main module: its script (``"__main__"``, which the
+    fork server imports from its path, as a spawned rank would) or the module run with ``-m``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    by_name = [spec.name] if spec is not None and spec.name != "__main__" else []
+    return ["__main__", *_PRELOAD, *by_name]
+
+
 def _default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
@@ -306,7 +319,7 @@ def _launch_elastic(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(_PRELOAD)  # only before the server first starts
+        multiprocessing.set_forkserver_preload(_forkserver_preload())  # only before the server first starts
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torch_tp._orphans import exit_with, mark_job
-from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback
+from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback, native_errors_to_stderr
 
 
 __all__ = ["COLLECTIVE_TIMEOUT", "mesh_2x2", "rank", "tp_mesh", "world_size"]
@@ -57,6 +57,7 @@ def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int) -> 
     _redirect_stdio_to(_log_path(workdir, r))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    native_errors_to_stderr()
     stacks = open(_stack_path(workdir, r), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
