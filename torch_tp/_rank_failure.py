@@ -15,11 +15,11 @@ traceback     the formatted traceback, at most :data:`TRACEBACK_CHARS` character
 time_ns       ``time.time_ns()`` when it was recorded (ranks share one host clock)
 collective    the torch.distributed collective the exception came out of, if any:
               ``{"op": "all_reduce", "ranks": [0, 1], "tensors": "float32[4]"}``
-symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), gloo
-              says a peer's connection closed or reset (wherever it surfaced: a peer that
-              died is never this rank's fault), or the exception says it is a consequence (``exc.consequence is True``: torch_tp's
-              agreement raises it on the ranks whose own checks passed): the cause is another
-              rank's, not this one's
+symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), when
+              gloo says a peer's connection closed or reset (wherever that surfaced: a peer
+              that died is never this rank's fault), or when the exception says it is a
+              consequence (``exc.consequence is True``: torch_tp's agreement raises it on the
+              ranks whose own checks passed): the cause is another rank's, not this one's
 calls         ``{rank: "ALLREDUCE float32[1000]"}`` when torch's collective check
               (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) found ranks calling different collectives
 ============  ==============================================================================
@@ -199,7 +199,7 @@ def collective_in_stack(stack: str) -> str | None:
 
 
 def recording_in_stack(stack: str) -> bool:
-    """Whether a stack dump caught the rank recording its own failure (its whereabouts before that
+    r"""Whether a stack dump caught the rank recording its own failure (its whereabouts before that
     are in the record it was writing, not in this stack).
 
     Example::

@@ -253,7 +253,8 @@ def output_tail(text: str, lines: int) -> str:
 
 def _abort_reason(output: str, limit: int = 300) -> str:
     r"""``": <why>"`` from a rank's last output when native code said why it ended (a C++
-    exception's ``what():`` line, Python's fatal error line), else ``""``: the summary line is
+    exception's ``what():`` line, glibc's heap error, Python's fatal error line; the first of
+    :data:`_NATIVE_REASONS` found), else ``""``: the summary line is
     what a truncated CI log keeps.
 
     Example::
