@@ -18,7 +18,9 @@ def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error(
 
 
 def test_main_job_explains_trains_with_progress_and_matches_single_process():
-    out = run_script("-m", "torch_tp.demo").stdout  # exactly the README's main job
+    result = run_script("-m", "torch_tp.demo")  # exactly the README's main job
+    out = result.stdout
+    assert "Warning" not in result.stderr, result.stderr  # nothing for a user to interpret
     assert "2 ranks (gloo), tensor + sequence parallel, 30 steps" in out
     assert re.search(r"^parameter +style +global +placement", out, flags=re.M)
     assert "layers.1.feed_forward.w2.weight  RowwiseParallel" in out
@@ -30,20 +32,6 @@ def test_main_job_explains_trains_with_progress_and_matches_single_process():
     per_rank = re.search(r"parameter bytes per rank: rank 0: (\d+), rank 1: (\d+)", out).groups()
     assert per_rank[0] == per_rank[1]
     assert "collectives per training step (forward + backward): 11 all_gather_into_tensor, 10 reduce_scatter_tensor" in out
-
-
-def test_main_job_with_overlap_trains_like_one_process_with_fused_collectives():
-    out = run_script("-m", "torch_tp.demo", "--overlap", "--steps", "5").stdout
-    assert "tensor + sequence parallel, overlapped (fused all-gather+matmul, matmul+reduce-scatter)" in out
-    assert "loss curve matches the single-process run" in out, out
-    # 9 fused ops forward (per layer: one gather shared by wq/wk/wv, one by w1/w3, and the wo
-    # and w2 reduce-scatters; and the output head) and 9 backward, one ring step each at 2
-    # ranks. Collectives left: the embedding's reduce-scatter and its backward all-gather,
-    # and the all-gather of the logits to Replicate() (unfused: 11 + 10)
-    assert (
-        "collectives per training step (forward + backward): 18 P2P sends (fused ops), "
-        "2 all_gather_into_tensor, 1 reduce_scatter_tensor"
-    ) in out, out
 
 
 def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_like_one_process():
@@ -84,11 +72,21 @@ def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
         assert 0 < int(nbytes) <= 0.3 * int(as_float32), out  # int8 + one scale per row: ~1/4
 
 
-def test_main_job_under_torchrun_uses_the_launchers_ranks():
-    # `torchrun` is `python -m torch.distributed.run`; gloo on CPU, NCCL where CUDA is.
-    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torch_tp.demo", "--steps", "3").stdout
-    assert "2 ranks (gloo), tensor + sequence parallel, 3 steps" in out
-    assert "loss curve matches the single-process run" in out
+def test_main_job_under_torchrun_with_overlap_uses_the_launchers_ranks_and_fused_collectives():
+    # `torchrun` is `python -m torch.distributed.run`; gloo on CPU, NCCL where CUDA is. One run
+    # checks both: the launcher's ranks (not spawned ones) and the fused collectives of --overlap.
+    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "-m", "torch_tp.demo", "--overlap", "--steps", "5").stdout
+    assert "2 ranks (gloo), tensor + sequence parallel, overlapped (fused all-gather+matmul, matmul+reduce-scatter), 5 steps" in out
+    assert "loss curve matches the single-process run" in out, out
+    # 9 fused ops forward (per layer: one gather shared by wq/wk/wv, one by w1/w3, and the wo
+    # and w2 reduce-scatters; and the output head) and 9 backward, one ring step each at 2
+    # ranks. Collectives left: the embedding's reduce-scatter and its backward all-gather,
+    # and the all-gather of the logits to Replicate() (unfused: 11 + 10)
+    assert (
+        "collectives per training step (forward + backward): 18 P2P sends (fused ops), "
+        "2 all_gather_into_tensor, 1 reduce_scatter_tensor"
+    ) in out, out
 
 
 def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():

@@ -301,10 +301,12 @@ def _pid_path(run_dir: str, rank: int) -> str:
 
 def _forkserver_preload() -> list[str]:
     """:data:`_PRELOAD` and the program's main module: its script (``"__main__"``, which the
-    fork server imports from its path, as a spawned rank would) or the module run with ``-m``."""
+    fork server imports from its path, as a spawned rank would) or, for ``-m pkg.mod``, its
+    package ``pkg``. Not ``pkg.mod`` itself: each rank runs it again as ``__mp_main__``, and
+    runpy warns (a ``RuntimeWarning`` on every rank) when it finds that module already imported."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    by_name = [spec.name] if spec is not None and spec.name != "__main__" else []
-    return ["__main__", *_PRELOAD, *by_name]
+    package = [spec.parent] if spec is not None and spec.parent else []
+    return ["__main__", *_PRELOAD, *package]
 
 
 def _default_start_method() -> str:

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch._functorch.config
-import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.tensor.debug import CommDebugMode

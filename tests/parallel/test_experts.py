@@ -197,7 +197,7 @@ def test_explain_plan_shows_each_rank_its_expert_bytes():
     report = explain_plan(model, 4, tensor_parallel_plan(MOE, experts="expert"))
     whole = sum(p.nbytes for name, p in model.named_parameters() if ".experts." in name)
     assert report.expert_bytes_per_rank() == (whole // 4,) * 4
-    assert f"expert parameter bytes per rank: " in str(report)
+    assert "expert parameter bytes per rank: " in str(report)
 
 
 # ------------------------------------------------------------------------------ torch.compile

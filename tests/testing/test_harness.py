@@ -216,10 +216,11 @@ def test_raising_rank_reports_its_traceback_and_the_pool_is_respawned():
     assert 'raise ValueError("boom-rank1")' in message  # the source line of the traceback
     assert "in _explode" in message
     assert "rank 1 about to fail" in message  # rank 1's output tail
-    # rank 0 is stuck in the all_reduce: reported with its stack after the grace period
-    assert "rank 0: did not answer" in message
-    assert "_rank1_raises_while_rank0_waits" in message.split("rank 0: did not answer")[1]
-    assert info.value.failed_ranks == [0, 1]
+    # rank 1 left the pool with its error: rank 0's all_reduce failed at once, reported after
+    # the cause, with the line it waited on (not after the parent's grace period, with a stack)
+    assert "rank 0: raised [then]" in message, message
+    assert "dist.all_reduce(torch.ones(1))  # rank 1 never joins" in message.split("rank 0: raised [then]")[1]
+    assert info.value.failed_ranks == [0, 1] and info.value.root_cause_rank == 1, message
     assert elapsed < 20, elapsed
 
     pids_after = _pids(2)

@@ -107,7 +107,13 @@ def _serve_tasks(conn: Any) -> None:
         if message[0] == "stop":
             return
         _, sys_path, task = message
-        conn.send(_run_task(sys_path, task))
+        reply = _run_task(sys_path, task)
+        conn.send(reply)
+        if reply[0] == "error":
+            # The pool is discarded after a failure. Leaving now closes this rank's gloo
+            # connections: a peer waiting in a collective fails at once ("Connection closed
+            # by peer", a symptom in the report) instead of after the parent's FAILURE_GRACE.
+            os._exit(0)
 
 
 def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
