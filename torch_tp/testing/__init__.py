@@ -31,6 +31,7 @@ from torch_tp.testing._reference import (
     assert_trains_like,
     assert_training_step_matches,
     full_tensor,
+    full_tensors,
     local_chunk,
 )
 from torch_tp.testing._scripts import ROOT, run_script
@@ -50,6 +51,7 @@ __all__ = [
     "comm_counts",
     "communication_of",
     "full_tensor",
+    "full_tensors",
     "local_chunk",
     "markdown_tables",
     "mesh_2x2",

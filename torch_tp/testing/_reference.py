@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "assert_trains_like",
     "assert_training_step_matches",
     "full_tensor",
+    "full_tensors",
     "local_chunk",
 ]
 
@@ -34,6 +35,89 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
         [1.0, 1.0]
     """
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_tensors(values: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """:func:`full_tensor` of each value (detached), with one collective per process group and
+    dtype for the DTensors on 1-D meshes (every rank must pass the same list).
+
+    A test that compares every parameter and gradient would otherwise issue one all-gather or
+    all-reduce per tensor. DTensors on a 1-D mesh placed ``Shard(d)``, ``Replicate()`` or
+    ``Partial("sum"/"avg")`` are made whole from one all-gather of their local pieces (a
+    ``Shard(d)`` piece's size follows ``torch.chunk``, as DTensor's own split does); any other
+    DTensor (2-D meshes, strided shards) through its own ``full_tensor()``. ``None`` stays ``None``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> weight, grad = full_tensors([model.w.weight, model.w.weight.grad])
+    """
+    values = list(values)
+    out: list[torch.Tensor | None] = [None] * len(values)
+    batched: dict[tuple, list[int]] = {}
+    for i, value in enumerate(values):
+        if not isinstance(value, DTensor):
+            out[i] = value.detach() if value is not None else None
+        elif _gathered_in_one_batch(value):
+            if value.placements[0].is_replicate():
+                out[i] = value.to_local().detach()
+            else:
+                batched.setdefault((value.device_mesh.get_group(), value.dtype), []).append(i)
+        else:
+            out[i] = value.full_tensor().detach()
+    for (group, dtype), indices in batched.items():
+        for i, whole in zip(indices, _gather_whole(group, [values[i] for i in indices])):
+            out[i] = whole
+    return out
+
+
+def _gathered_in_one_batch(value: DTensor) -> bool:
+    if value.device_mesh.ndim != 1:
+        return False
+    placement = value.placements[0]
+    if type(placement) is Shard or isinstance(placement, Replicate):
+        return True
+    return isinstance(placement, Partial) and placement.reduce_op in ("sum", "avg")
+
+
+def _piece_shapes(value: DTensor, ranks: int) -> list[torch.Size]:
+    """Each rank's local shape of ``value`` (1-D mesh): ``torch.chunk`` sizes for ``Shard(d)``."""
+    shape = value.shape
+    placement = value.placements[0]
+    if not isinstance(placement, Shard):
+        return [shape] * ranks
+    d = placement.dim
+    sizes = [len(c) for c in torch.arange(shape[d]).chunk(ranks)]
+    sizes += [0] * (ranks - len(sizes))
+    return [torch.Size((*shape[:d], n, *shape[d + 1:])) for n in sizes]
+
+
+def _gather_whole(group: Any, dtensors: list[DTensor]) -> list[torch.Tensor]:
+    """The whole tensors of same-dtype DTensors on the 1-D mesh of ``group``: one all-gather."""
+    ranks = dist.get_world_size(group)
+    shapes = [_piece_shapes(t, ranks) for t in dtensors]
+    per_rank = [sum(s[r].numel() for s in shapes) for r in range(ranks)]
+    width = max(per_rank)
+    mine = torch.cat([t.to_local().detach().reshape(-1) for t in dtensors])
+    send = torch.zeros(width, dtype=mine.dtype, device=mine.device)
+    send[: mine.numel()] = mine
+    received = torch.empty(ranks * width, dtype=mine.dtype, device=mine.device)
+    dist.all_gather_single(received, send, group=group)
+    rows = received.view(ranks, width)
+    offsets = [0] * ranks
+    wholes = []
+    for t, pieces_shapes in zip(dtensors, shapes):
+        pieces = []
+        for r, shape in enumerate(pieces_shapes):
+            pieces.append(rows[r, offsets[r] : offsets[r] + shape.numel()].view(shape))
+            offsets[r] += shape.numel()
+        placement = t.placements[0]
+        if isinstance(placement, Shard):
+            wholes.append(torch.cat(pieces, dim=placement.dim))
+        else:  # Partial: the sum (or mean) of the pieces
+            total = torch.stack(pieces).sum(0)
+            wholes.append(total / ranks if placement.reduce_op == "avg" else total)
+    return wholes
 
 
 def local_chunk(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -70,17 +154,17 @@ def assert_params_and_grads_match(
         >>> assert_params_and_grads_match(parallel_model, reference_model, what="step 2")
     """
     prefix = f"{what} " if what else ""
-    pairs = zip(module.named_parameters(), reference.named_parameters())
-    for (name, param), (ref_name, ref_param) in pairs:
+    named, ref_named = list(module.named_parameters()), list(reference.named_parameters())
+    for (name, _), (ref_name, _) in zip(named, ref_named):
         assert name == ref_name, f"parameter order differs: {name} vs {ref_name}"
+    pairs = list(zip(named, ref_named))
+    # every DTensor made whole in a few collectives (full_tensors), in the same order on every rank
+    wanted = [t for (_, p), (_, q) in pairs for t in ((p, q) if params else ()) + (p.grad, q.grad)]
+    whole = iter(full_tensors(wanted))
+    for (name, _), _ in pairs:
         if params:
-            torch.testing.assert_close(
-                full_tensor(param), full_tensor(ref_param), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}"
-            )
-        torch.testing.assert_close(
-            full_tensor(param.grad), full_tensor(ref_param.grad), rtol=rtol, atol=atol,
-            msg=lambda m: f"{prefix}grad of {name}: {m}",
-        )
+            torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}")
+        torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}grad of {name}: {m}")
 
 
 def assert_training_step_matches(
