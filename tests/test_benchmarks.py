@@ -4,7 +4,8 @@ Times are machine noise here and are not asserted; collective counts and bytes a
 """
 
 import pytest
-from torch_tp.testing import markdown_tables, run_script
+
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -20,8 +21,12 @@ VARIANTS = {
 }
 
 
+QUICK = ScriptRun("benchmarks/compare_upstream.py", "--quick", timeout=120)
+
+
+@pytest.mark.script_runs(QUICK)
 def test_quick_benchmark_prints_the_table_and_same_plans_issue_the_same_collectives():
-    out = run_script("benchmarks/compare_upstream.py", "--quick", timeout=120).stdout
+    out = QUICK.result().stdout
     main, ratios = markdown_tables(out)[:2]
 
     assert main[0]["__header__"] == COLUMNS, out

@@ -11,7 +11,7 @@ re-runs collectives, the selective policy re-runs none.
 
 import pytest
 
-from torch_tp.testing import markdown_tables, run_script
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -20,8 +20,12 @@ COLUMNS = ["variant", "params KiB", "predicted", "grads KiB", "AdamW KiB", "sent
 AC_COLUMNS = ["checkpointing", "peak MiB", "peak activations MiB", "activations vs none", "collectives", "sent KiB"]
 
 
+QUICK = ScriptRun("benchmarks/fsdp_tp.py", "--quick", timeout=300)
+
+
+@pytest.mark.script_runs(QUICK)
 def test_quick_benchmark_predicts_the_bytes_it_measures_and_checkpointing_saves_activations():
-    out = run_script("benchmarks/fsdp_tp.py", "--quick", timeout=300).stdout
+    out = QUICK.result().stdout
     variants, checkpointing = markdown_tables(out)
     assert variants[0]["__header__"] == COLUMNS and checkpointing[0]["__header__"] == AC_COLUMNS, out
     rows = {r["variant"]: r for r in variants}

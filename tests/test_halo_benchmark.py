@@ -7,7 +7,7 @@ below the bytes an all-gather (plus its reduce-scatter) of the input moves.
 
 import pytest
 
-from torch_tp.testing import markdown_tables, run_script
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -20,6 +20,9 @@ OVERLAP_COLUMNS = ["world", "conv", "serial ms", "overlap ms", "waited serial", 
 QUICK_CONVS = {"k3 s1 d1 p1", "k7 s1 d1 p3", "k5 s2 d2 p4"}
 
 
+QUICK = ScriptRun("benchmarks/halo_conv.py", "--quick", timeout=180)
+
+
 def _table(text: str) -> list[dict[str, str]]:
     return markdown_tables(text)[0]
 
@@ -28,8 +31,9 @@ def _per_rank(cell: str) -> list[float]:
     return [float(v) for v in cell.split("/")]
 
 
+@pytest.mark.script_runs(QUICK)
 def test_quick_halo_benchmark_prints_the_table_with_exact_halo_bytes():
-    out = run_script("benchmarks/halo_conv.py", "--quick", timeout=180).stdout
+    out = QUICK.result().stdout
     rows = _table(out)
     assert rows and rows[0]["__header__"] == COLUMNS, out
     assert {(int(r["world"]), r["conv"]) for r in rows} == {(w, c) for w in (2, 4) for c in QUICK_CONVS}, out

@@ -12,7 +12,8 @@ verdicts name the winners its own table shows.
 import re
 
 import pytest
-from torch_tp.testing import markdown_tables, run_script
+
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -36,6 +37,10 @@ MOE_COMMS = {
     False: {"EP": "6AG+10A2A", "expert-TP": "6AR", "replicated": "0"},
     True: {"EP": "10AG+10A2A", "expert-TP": "4AG+4AR+2RS", "replicated": "4AG"},
 }
+
+
+QUICK = ScriptRun("benchmarks/moe.py", "--quick")
+QUICK_SEQUENCE_PARALLEL = ScriptRun("benchmarks/moe.py", "--quick", "--sequence-parallel", "--world-sizes", "2", "--iters", "2")
 
 
 def _counts(cell: str) -> dict[str, int]:
@@ -109,12 +114,14 @@ def _check(out: str, worlds: tuple[int, ...], sequence_parallel: bool) -> dict:
     return row
 
 
+@pytest.mark.script_runs(QUICK)
 def test_quick_benchmark_compares_the_three_expert_layouts_at_world_sizes_2_and_4():
-    out = run_script("benchmarks/moe.py", "--quick").stdout
+    out = QUICK.result().stdout
     _check(out, (2, 4), sequence_parallel=False)
     assert "EP vs expert-TP." in out and "Replicated experts send nothing for the experts." in out, out
 
 
+@pytest.mark.script_runs(QUICK_SEQUENCE_PARALLEL)
 def test_quick_benchmark_under_sequence_parallelism_replicated_experts_still_gather_the_sequence():
-    out = run_script("benchmarks/moe.py", "--quick", "--sequence-parallel", "--world-sizes", "2", "--iters", "2").stdout
+    out = QUICK_SEQUENCE_PARALLEL.result().stdout
     _check(out, (2,), sequence_parallel=True)

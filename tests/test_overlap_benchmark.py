@@ -14,7 +14,8 @@ import itertools
 from functools import partial
 
 import pytest
-from torch_tp.testing import run_script
+
+from torch_tp.testing import ScriptRun
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -24,6 +25,10 @@ COLUMNS = ["world", "shape", "MiB sent", "unfused ms", "fused ms", "fused/unfuse
 OPS = ("AG+MM", "MM+RS")
 QUICK_SHAPES = {"B1 S1024 K512 N128", "B2 S1024 K512 N256"}
 TIME_COLUMNS = ("unfused ms", "fused ms", "comm ms", "compute ms")
+
+
+QUICK = ScriptRun("benchmarks/overlap.py", "--quick", timeout=150)
+QUICK_LLAMA = ScriptRun("benchmarks/overlap_llama.py", "--quick", timeout=150)
 
 
 def _tables(text: str) -> dict[str, list[dict[str, str]]]:
@@ -74,8 +79,9 @@ def _agrees(printed: str, f, *cells: str) -> bool:
     return low - 0.005 <= float(printed) <= high + 0.005
 
 
+@pytest.mark.script_runs(QUICK)
 def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
-    out = run_script("benchmarks/overlap.py", "--quick", timeout=150).stdout
+    out = QUICK.result().stdout
     assert "check_shapes=False" in out, out
     tables = _tables(out)
     assert set(tables) == set(OPS), out
@@ -94,8 +100,9 @@ def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio(
             assert _agrees(row["fused/unfused"], _ratio, row["fused ms"], row["unfused ms"]), (op, row, out)
 
 
+@pytest.mark.script_runs(QUICK_LLAMA)
 def test_quick_llama_overlap_benchmark_times_both_variants_and_counts_their_communication():
-    out = run_script("benchmarks/overlap_llama.py", "--quick", timeout=150).stdout
+    out = QUICK_LLAMA.result().stdout
     rows = _tables(out)[None]
     assert [int(r["world"]) for r in rows] == [2, 4], out
     for row in rows:

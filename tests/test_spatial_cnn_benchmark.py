@@ -10,7 +10,8 @@ and the totals are the sums of their parts.
 """
 
 import pytest
-from torch_tp.testing import markdown_tables, run_script
+
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -30,6 +31,9 @@ GOALS = {2: 0.6, 4: 0.35}
 KIB = 0.0501  # cells in KiB are printed to 0.1 (half a step, and float slack)
 
 
+QUICK = ScriptRun("benchmarks/spatial_cnn.py", "--quick", "--iters", "2")
+
+
 def _per_rank(cell: str) -> list[float]:
     return [float(v) for v in cell.split("/")]
 
@@ -38,8 +42,9 @@ def _by_header(out: str) -> dict[tuple[str, ...], list[dict[str, str]]]:
     return {tuple(t[0]["__header__"]): t for t in markdown_tables(out)}
 
 
+@pytest.mark.script_runs(QUICK)
 def test_quick_benchmark_matches_one_process_shards_the_activations_and_sends_the_formulas_halos():
-    out = run_script("benchmarks/spatial_cnn.py", "--quick", "--iters", "2").stdout
+    out = QUICK.result().stdout
     tables = _by_header(out)
     for columns in (STEP_COLUMNS, MEMORY_COLUMNS, COMM_COLUMNS, CONV_COLUMNS):
         assert tuple(columns) in tables, (columns, out)

@@ -6,9 +6,11 @@ not; transformers' differences are printed and checked here).
 """
 
 import os
+from pathlib import Path
 
 import pytest
-from torch_tp.testing import markdown_tables, run_script
+
+from torch_tp.testing import ScriptRun, markdown_tables
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
@@ -37,6 +39,16 @@ EXPECTED = {
 COUNT_COLUMNS = ("fwd comms", "fwd KiB", "f+b comms", "f+b KiB", "opt comms")
 
 
+# its sitecustomize.py makes transformers' process group check fail in every process of the run
+NO_TRANSFORMERS_TP = Path(__file__).with_name("no_transformers_tp")
+QUICK_UNDER_TORCHRUN = ScriptRun("-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "benchmarks/transformers_tp.py", "--quick")
+QUICK_WITHOUT_TRANSFORMERS_TP = ScriptRun(
+    "benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2", "--models", "llama",
+    env={"PYTHONPATH": os.pathsep.join(filter(None, [str(NO_TRANSFORMERS_TP), os.environ.get("PYTHONPATH")]))},
+)
+
+
 def _check_rows(out: str, models: tuple[str, ...]) -> list[dict[str, str]]:
     """The main table holds every (model, variant) at 2 ranks with the exact counts; returns it."""
     main = markdown_tables(out)[0]
@@ -55,12 +67,12 @@ def _check_rows(out: str, models: tuple[str, ...]) -> list[dict[str, str]]:
     return main
 
 
+@pytest.mark.script_runs(QUICK_UNDER_TORCHRUN)
 def test_quick_benchmark_under_torchrun_both_libraries_match_one_process_and_torch_tp_issues_fewer_collectives():
     # `torchrun` is `python -m torch.distributed.run`: transformers' TP takes the process group
     # the benchmark initialized (gloo on CPU) there as in spawned ranks (the test below runs
     # the spawned ranks). One run checks the launcher's ranks and both models' counts.
-    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/transformers_tp.py",
-                     "--quick").stdout
+    out = QUICK_UNDER_TORCHRUN.result().stdout
     _check_rows(out, ("llama", "qwen3"))
     ratios = markdown_tables(out)[1]
     assert ratios[0]["__header__"] == RATIO_COLUMNS, out
@@ -72,18 +84,9 @@ def test_quick_benchmark_under_torchrun_both_libraries_match_one_process_and_tor
         assert row["transformers comms"] == f"{theirs[2]} / {theirs[4]}", out
 
 
-def test_quick_benchmark_says_why_when_transformers_tp_cannot_run(tmp_path):
-    # Every process of the run (spawned ranks too) imports this first: transformers' process
-    # group check then fails as it would where torch.distributed cannot be set up for it.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import transformers.distributed.utils as utils\n"
-        "def _refuse(device_type=None):\n"
-        "    raise OSError('injected by the test: no process group for transformers')\n"
-        "utils._ensure_torch_distributed = _refuse\n"
-    )
-    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    out = run_script("benchmarks/transformers_tp.py", "--quick", "--world-sizes", "2", "--models", "llama",
-                     env={"PYTHONPATH": pythonpath}).stdout
+@pytest.mark.script_runs(QUICK_WITHOUT_TRANSFORMERS_TP)
+def test_quick_benchmark_says_why_when_transformers_tp_cannot_run():
+    out = QUICK_WITHOUT_TRANSFORMERS_TP.result().stdout
     tables = markdown_tables(out)
     assert len(tables) == 1, out  # no ratio table without transformers' numbers
     assert [(r["model"], r["variant"]) for r in tables[0]] == [("llama", "torch_tp")], out

@@ -4,7 +4,8 @@ import importlib.util
 import re
 
 import pytest
-from torch_tp.testing import run_script
+
+from torch_tp.testing import ScriptRun
 
 # a subprocess run of seconds: `pytest -m "not slow"` leaves it out
 pytestmark = [
@@ -13,8 +14,12 @@ pytestmark = [
 ]
 
 
+TUTORIAL = ScriptRun("tutorials/transformers_tensor_parallel.py")
+
+
+@pytest.mark.script_runs(TUTORIAL)
 def test_transformers_tutorial_trains_like_one_process_passes_verify_plan_and_generates_its_tokens():
-    out = run_script("tutorials/transformers_tensor_parallel.py").stdout
+    out = TUTORIAL.result().stdout
     # explain_plan of the translated Qwen3 plan, per-head norms included
     assert re.search(r"^model\.layers\.0\.self_attn\.q_norm\.weight +ReplicateParallel", out, flags=re.M), out
     assert re.search(r"^lm_head\.weight +ColwiseParallel +\(128, 64\) +Shard\(0\) +\(64, 64\) x2", out, flags=re.M), out

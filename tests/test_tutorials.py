@@ -3,22 +3,37 @@
 import re
 
 import pytest
-from torch_tp.testing import run_script
+
+from torch_tp.testing import ScriptRun
 
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
 
+PATTERN_PLANS = ScriptRun("tutorials/pattern_plans.py")
+MAIN_JOB = ScriptRun("-m", "torch_tp.demo")
+MAIN_JOB_2D = ScriptRun("-m", "torch_tp.demo", "--nproc", "4", "--dp", "2", "--steps", "12")
+LLAMA_TUTORIAL = ScriptRun("tutorials/llama_tensor_parallel.py")
+INT8_TUTORIAL = ScriptRun("tutorials/int8_tensor_parallel.py")
+MAIN_JOB_TORCHRUN_OVERLAP = ScriptRun("-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                      "-m", "torch_tp.demo", "--overlap", "--steps", "5")
+SPATIAL_CONV_TUTORIAL = ScriptRun("tutorials/spatial_conv_parallel.py")
+SPATIAL_UNET_TUTORIAL = ScriptRun("tutorials/spatial_unet.py")
+FSDP_TP_TUTORIAL = ScriptRun("tutorials/fsdp_tp_2d.py")
+
+
+@pytest.mark.script_runs(PATTERN_PLANS)
 def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error():
-    out = run_script("tutorials/pattern_plans.py").stdout
+    out = PATTERN_PLANS.result().stdout
     assert "typo in a plan key -> ValueError" in out and "layer.0.self.query" in out
     assert "layer.0.self.out.weight      (Shard(dim=1),)" in out
     diff = float(re.search(r"max \|parallel - single process\| = (\S+)", out).group(1))
     assert diff < 1e-5, out
 
 
+@pytest.mark.script_runs(MAIN_JOB)
 def test_main_job_explains_trains_with_progress_and_matches_single_process():
-    result = run_script("-m", "torch_tp.demo")  # exactly the README's main job
+    result = MAIN_JOB.result()  # exactly the README's main job
     out = result.stdout
     assert "Warning" not in result.stderr, result.stderr  # nothing for a user to interpret
     assert "2 ranks (gloo), tensor + sequence parallel, 30 steps" in out
@@ -34,8 +49,9 @@ def test_main_job_explains_trains_with_progress_and_matches_single_process():
     assert "collectives per training step (forward + backward): 11 all_gather_into_tensor, 10 reduce_scatter_tensor" in out
 
 
+@pytest.mark.script_runs(MAIN_JOB_2D)
 def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_like_one_process():
-    out = run_script("-m", "torch_tp.demo", "--nproc", "4", "--dp", "2", "--steps", "12").stdout
+    out = MAIN_JOB_2D.result().stdout
     assert "4 ranks (gloo), 2-D: FSDP2 over dp 2 x tensor + sequence parallel over tp 2, 12 steps" in out, out
     assert "fsdp units: layers.0, layers.1, <root>" in out and "too small: 64 < min_weight_size 1024" in out, out
     worst = float(re.search(r"max relative difference (\S+) over 12 steps", out).group(1))
@@ -48,8 +64,9 @@ def test_main_job_in_2d_shows_the_2d_table_holds_the_predicted_bytes_and_trains_
         assert int(grads) == int(params) and 2 * int(params) <= int(state) and int(saved) > 0, out
 
 
+@pytest.mark.script_runs(LLAMA_TUTORIAL)
 def test_llama_tutorial_runs_from_meta_device_to_training():
-    out = run_script("tutorials/llama_tensor_parallel.py").stdout
+    out = LLAMA_TUTORIAL.result().stdout
     assert "output.weight" in out and "step 9: loss" in out
     losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out)]
     assert len(losses) == 10 and losses[-1] < losses[0]
@@ -57,8 +74,9 @@ def test_llama_tutorial_runs_from_meta_device_to_training():
     assert len(held) == 1
 
 
+@pytest.mark.script_runs(INT8_TUTORIAL)
 def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
-    out = run_script("tutorials/int8_tensor_parallel.py").stdout
+    out = INT8_TUTORIAL.result().stdout
     errors = re.findall(
         r"rank \d: vs float model (\S+), vs unsharded int8 model (\S+), compiled vs eager (\S+)$", out, flags=re.M
     )
@@ -72,11 +90,11 @@ def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
         assert 0 < int(nbytes) <= 0.3 * int(as_float32), out  # int8 + one scale per row: ~1/4
 
 
+@pytest.mark.script_runs(MAIN_JOB_TORCHRUN_OVERLAP)
 def test_main_job_under_torchrun_with_overlap_uses_the_launchers_ranks_and_fused_collectives():
     # `torchrun` is `python -m torch.distributed.run`; gloo on CPU, NCCL where CUDA is. One run
     # checks both: the launcher's ranks (not spawned ones) and the fused collectives of --overlap.
-    out = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "-m", "torch_tp.demo", "--overlap", "--steps", "5").stdout
+    out = MAIN_JOB_TORCHRUN_OVERLAP.result().stdout
     assert "2 ranks (gloo), tensor + sequence parallel, overlapped (fused all-gather+matmul, matmul+reduce-scatter), 5 steps" in out
     assert "loss curve matches the single-process run" in out, out
     # 9 fused ops forward (per layer: one gather shared by wq/wk/wv, one by w1/w3, and the wo
@@ -89,8 +107,9 @@ def test_main_job_under_torchrun_with_overlap_uses_the_launchers_ranks_and_fused
     ) in out, out
 
 
+@pytest.mark.script_runs(SPATIAL_CONV_TUTORIAL)
 def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
-    out = run_script("tutorials/spatial_conv_parallel.py").stdout
+    out = SPATIAL_CONV_TUTORIAL.result().stdout
     pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
     assert len(pairs) == 3
     for sharded, single in pairs:
@@ -101,8 +120,9 @@ def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
     assert gathered > 40 * halo_left
 
 
+@pytest.mark.script_runs(SPATIAL_UNET_TUTORIAL)
 def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
-    out = run_script("tutorials/spatial_unet.py").stdout
+    out = SPATIAL_UNET_TUTORIAL.result().stdout
     pairs = re.findall(r"step \d: loss (\S+) \(single process (\S+)\)", out)
     assert len(pairs) == 4
     for sharded, single in pairs:  # float32: summation order (and pooling ties) only
@@ -110,8 +130,9 @@ def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
     assert "rank 0 logits strip (1, 3, 32, 96) of the image's (1, 3, 32, 192)" in out
 
 
+@pytest.mark.script_runs(FSDP_TP_TUTORIAL)
 def test_fsdp_tp_2d_tutorial_predicts_the_bytes_it_holds_and_trains_like_one_process():
-    out = run_script("tutorials/fsdp_tp_2d.py").stdout
+    out = FSDP_TP_TUTORIAL.result().stdout
     assert "fsdp units: layers.0, layers.1, <root>" in out, out
     held = re.search(r"rank 0 holds (\d+) parameter bytes \(predicted (\d+)\) of the model's (\d+)", out)
     assert held and held.group(1) == held.group(2) and int(held.group(1)) < int(held.group(3)) / 3, out

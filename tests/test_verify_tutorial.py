@@ -3,14 +3,19 @@
 import re
 
 import pytest
-from torch_tp.testing import run_script
+
+from torch_tp.testing import ScriptRun
 
 # a subprocess run of seconds: `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
 
 
+TUTORIAL = ScriptRun("tutorials/verify_plan.py")
+
+
+@pytest.mark.script_runs(TUTORIAL)
 def test_verify_plan_tutorial_passes_the_right_plan_and_names_what_the_wrong_ones_break():
-    out = run_script("tutorials/verify_plan.py").stdout
+    out = TUTORIAL.result().stdout
     right, no_norms, untied = re.split(r"^== .*$", out, flags=re.M)[1:]
     assert right.strip().startswith("verify_plan: OK, the parallel model trains like the single-process one (3 steps on 2 ranks")
     assert no_norms.strip().startswith("verify_plan: 13 findings")  # 12 in training, 1 in eval mode

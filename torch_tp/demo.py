@@ -15,12 +15,25 @@ table (with ``--dp``, the 2-D one of ``predict_placements``), parallelize it (TP
 of the batch), then train the same model in one process on the whole batches and check that
 the loss curves match; finally print each rank's parameter bytes, its memory (parameters,
 gradients, optimizer state, activations saved for backward, measured) and the collectives
-of one training step.
+of one training step, and the two lines that tell runs apart: ``final loss:`` and ``final
+parameters sha256:`` (of the whole parameters, in name order: equal for equal parameters on
+any mesh).
+
+With ``--checkpoint-dir DIR`` it saves the model, the optimizer, the step and the data position
+every ``--checkpoint-every`` steps (:func:`torch_tp.checkpoint.save_training_state`: a
+checkpoint appears only once complete) and, on start, resumes from the newest complete one in
+DIR, on any mesh: the model's sizes and the sequence length are the checkpoint's. A run killed
+at any moment and started again (by hand, or by ``torchrun --max-restarts``) ends with the
+parameters of the run that was never killed::
+
+    python -m torch_tp.demo --checkpoint-dir ckpt --checkpoint-every 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import sys
 
 import torch
@@ -29,7 +42,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from torch_tp import explain_plan, fully_shard_by_pattern, init_parameters, parallelize_module, predict_placements
+from torch_tp import (
+    explain_plan,
+    fully_shard_by_pattern,
+    init_parameters,
+    parallelize_module,
+    predict_placements,
+)
+from torch_tp.checkpoint import (
+    CheckpointMismatchError,
+    latest_checkpoint,
+    load_training_state,
+    read_extra,
+    save_training_state,
+)
 from torch_tp.launch import launch, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
@@ -52,7 +78,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--dp", type=int, default=1,
         help="data-parallel ranks: FSDP2 over dp x tensor parallelism over nproc/dp (2-D; default 1: TP only)",
     )
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR",
+        help="save checkpoints here and resume from the newest complete one found here on start "
+             "(no --resume flag: an empty or missing DIR starts fresh); the run may resume on another "
+             "mesh: the model's sizes and the sequence length are the checkpoint's",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=5, metavar="K",
+        help="with --checkpoint-dir: save after every K steps (default 5)",
+    )
     options = parser.parse_args(argv)
+    if options.checkpoint_every < 1:
+        parser.error(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
     if options.overlap and options.no_sequence_parallel:
         parser.error("--overlap fuses the sequence-parallel collectives; drop --no-sequence-parallel")
     if options.dp < 1:
@@ -69,12 +107,20 @@ def _model_args(tp: int) -> ModelArgs:
     return ModelArgs(dim=64, n_layers=2, n_heads=2 * tp, vocab_size=128, ffn_hidden=32 * tp, max_seq_len=64)
 
 
-def _batches(args: ModelArgs, steps: int, world: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _sizes(tp: int, saved: dict | None) -> tuple[ModelArgs, int]:
+    """The model's arguments and the sequence length: a checkpoint's (a resumed run trains the
+    model it saved, on the same data, whatever the mesh), else those of ``tp`` ranks."""
+    if saved is not None:
+        return ModelArgs(**saved["model_args"]), saved["seq_len"]
+    return _model_args(tp), 8 * tp
+
+
+def _batches(args: ModelArgs, steps: int, seq_len: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A learnable synthetic task: the next token is ``(5 * token + 3) mod vocab``."""
     generator = torch.Generator().manual_seed(SEED)
     batches = []
     for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (BATCH, 8 * world), generator=generator)
+        tokens = torch.randint(0, args.vocab_size, (BATCH, seq_len), generator=generator)
         targets = (5 * tokens + 3) % args.vocab_size
         batches.append((tokens.to(device), targets.to(device)))
     return batches
@@ -90,12 +136,14 @@ def _progress(step: int, total: int, loss: float, width: int = 30) -> None:
         print(line, flush=True)
 
 
-def _train(model, batches, *, show_progress: bool, dp_group=None) -> list[float]:
-    """Train; with ``dp_group``, ``batches`` are this dp rank's rows and the losses recorded are
-    the dp average (the whole batch's)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+def _train(model, optimizer, batches, *, first_step: int = 1, show_progress: bool, dp_group=None,
+           after_step=None) -> list[float]:
+    """Train on ``batches[first_step - 1:]``; with ``dp_group``, ``batches`` are this dp rank's
+    rows and the losses recorded are the dp average (the whole batch's). ``after_step(step,
+    loss)`` runs after each optimizer step (the checkpoint)."""
     losses = []
-    for step, (tokens, targets) in enumerate(batches, start=1):
+    for step in range(first_step, len(batches) + 1):
+        tokens, targets = batches[step - 1]
         loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()
@@ -103,8 +151,13 @@ def _train(model, batches, *, show_progress: bool, dp_group=None) -> list[float]
         losses.append(_batch_loss(loss.detach(), dp_group))
         if show_progress:
             _progress(step, len(batches), losses[-1])
-    _train.optimizer = optimizer  # for the memory report
+        if after_step is not None:
+            after_step(step, losses[-1])
     return losses
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
 def _batch_loss(loss: torch.Tensor, dp_group) -> float:
@@ -179,11 +232,36 @@ def _collectives_of_one_step(model, batch) -> str:
 def _single_process_losses(args, batches, device) -> list[float]:
     reference = Transformer(args).to(device)
     init_parameters(reference, seed=SEED)
-    return _train(reference, batches, show_progress=False)
+    return _train(reference, _adamw(reference), batches, show_progress=False)
+
+
+def _parameters_sha256(model) -> str:
+    """SHA-256 over the whole parameters in name order (name, shape, float32 bytes): equal for
+    equal parameters whatever the mesh. Every rank calls it (each DTensor is gathered)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        values = whole.detach().to("cpu", torch.float32).contiguous()
+        digest.update(f"{name}{tuple(values.shape)}".encode())
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _saved_sizes(directory: str | None) -> dict | None:
+    """The model's sizes a checkpoint in ``directory`` pins, or ``None`` to start fresh."""
+    if directory is None:
+        return None
+    saved = read_extra(directory)
+    if saved is not None and not {"model_args", "seq_len", "data_position"} <= set(saved):
+        raise CheckpointMismatchError(
+            f"torch_tp.demo: {latest_checkpoint(directory)} is not a checkpoint of this demo (its saved values "
+            f"are {sorted(saved)}); point --checkpoint-dir at a directory of demo checkpoints or an empty one"
+        )
+    return saved
 
 
 def _compare(losses: list[float], ref_losses: list[float]) -> float:
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)), default=0.0)
 
 
 def _mesh(world: int, dp: int, device):
@@ -192,7 +270,9 @@ def _mesh(world: int, dp: int, device):
     return init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "tp"))
 
 
-def _run(options: argparse.Namespace) -> None:
+def _run(options: argparse.Namespace) -> dict:
+    """The job on every rank (the process group is up); returns what rank 0 printed last: the
+    first step it ran, the losses, the final loss and the parameters' SHA-256."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     say = print if rank == 0 else (lambda *a, **k: None)
     dp = options.dp
@@ -200,7 +280,8 @@ def _run(options: argparse.Namespace) -> None:
     tp = world // dp
     sequence_parallel = not options.no_sequence_parallel
     plan = tensor_parallel_plan(sequence_parallel=sequence_parallel, overlap=options.overlap)
-    args = _model_args(tp)
+    saved = _saved_sizes(options.checkpoint_dir)
+    args, seq_len = _sizes(tp, saved)
     mode = "tensor + sequence parallel" if sequence_parallel else "tensor parallel"
     if options.overlap:
         mode += ", overlapped (fused all-gather+matmul, matmul+reduce-scatter)"
@@ -220,14 +301,29 @@ def _run(options: argparse.Namespace) -> None:
         fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_WEIGHT_SIZE)
     model.to_empty(device=device)
     init_parameters(model, seed=SEED)
+    optimizer = _adamw(model)
+    start, last_loss = 0, None
+    if options.checkpoint_dir is not None:
+        state = load_training_state(options.checkpoint_dir, model, optimizer)
+        if state is not None:
+            start, last_loss = state.extra["data_position"], state.extra["last_loss"]
+            say(f"resumed from {state.path} after step {state.step} (saved on {state.extra['layout']})\n")
 
-    batches = _batches(args, options.steps, tp, device)
+    def checkpoint(step: int, loss: float) -> None:
+        if options.checkpoint_dir is not None and step % options.checkpoint_every == 0:
+            extra = {"data_position": step, "last_loss": loss, "model_args": dataclasses.asdict(args),
+                     "seq_len": seq_len, "layout": f"{world} ranks, dp {dp} x tp {tp}"}
+            save_training_state(options.checkpoint_dir, step, model, optimizer, extra=extra)
+
+    batches = _batches(args, options.steps, seq_len, device)
     dp_rank = mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     mine = [(tokens[rows], targets[rows]) for tokens, targets in batches]
     say("training:")
-    losses = _train(model, mine, show_progress=rank == 0, dp_group=mesh["dp"].get_group() if dp > 1 else None)
-    memory = _memory_of(model, _train.optimizer, mine[0])
+    losses = _train(model, optimizer, mine, first_step=start + 1, show_progress=rank == 0,
+                    dp_group=mesh["dp"].get_group() if dp > 1 else None, after_step=checkpoint)
+    digest = _parameters_sha256(model)
+    memory = _memory_of(model, optimizer, mine[0])
     collectives = _collectives_of_one_step(model, mine[0])
     per_rank = [None] * world
     dist.all_gather_object(per_rank, memory)
@@ -235,21 +331,27 @@ def _run(options: argparse.Namespace) -> None:
     verdict = [None]
     if rank == 0:
         ref_losses = _single_process_losses(args, batches, device)
-        verdict[0] = _compare(losses, ref_losses)
-        say(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}; single process {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}")
+        verdict[0] = _compare(losses, ref_losses[start:])
+        if losses:
+            say(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}; single process {ref_losses[start]:.4f} -> {ref_losses[-1]:.4f}")
     dist.broadcast_object_list(verdict, src=0)
     worst = verdict[0]
     ok = worst <= LOSS_RTOL
     say(f"loss curve {'matches' if ok else 'DOES NOT match'} the single-process run "
         f"(max relative difference {worst:.1e} over {len(losses)} steps)")
+    say(f"loss per step ({start + 1}-{options.steps}): " + " ".join(f"{loss:.9g}" for loss in losses))
     say("parameter bytes per rank: " + ", ".join(f"rank {r}: {m['parameters']}" for r, m in enumerate(per_rank))
         + f" (predicted: {', '.join(map(str, report.bytes_per_rank()))})")
     say("memory per rank (bytes; measured):")
     for r, m in enumerate(per_rank):
         say(f"  rank {r}: " + ", ".join(f"{name} {value}" for name, value in m.items()) + f", total {sum(m.values())}")
     say(f"collectives per training step (forward + backward): {collectives}")
+    final_loss = losses[-1] if losses else last_loss
+    say(f"final loss: {final_loss!r}")
+    say(f"final parameters sha256: {digest}")
     if not ok:
         sys.exit(1)
+    return {"first_step": start + 1, "losses": losses, "final_loss": final_loss, "sha256": digest}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,9 +63,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
+from torch_tp._orphans import (
+    descendants,
+    end_processes,
+    exit_with,
+    mark_job,
+    process_state,
+    without_watcher_threads,
+)
 from torch_tp._rank_failure import exception_record, native_errors_to_stderr
-from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
+from torch_tp._root_cause import (
+    OUTPUT_CHARS,
+    STOPPED,
+    RankOutcome,
+    explain,
+    output_tail,
+    root_cause,
+)
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
 
@@ -204,7 +218,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timeout)
+    _init_default_group(backend, timeout)
     fn(*args)
     if on_return is not None:
         on_return()  # a rank that then waits in the barrier for peers still in a collective returned early
@@ -217,6 +231,23 @@ def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return
     # be collected during interpreter shutdown, destroying gloo objects with the runtime half
     # gone: "terminate called without an active exception", SIGABRT after a successful run.
     gc.collect()
+
+
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from the launcher's environment (``env://``), its keys under the
+    restart attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's agent keeps one store for the whole job and its workers share it; a worker group
+    restarted after a failure (``--max-restarts``) would find the previous attempt's gloo
+    addresses under the same keys and fail in ``init_process_group`` ("connectFullMesh failed",
+    about one restart in two with torch 2.13). Each attempt gets its own prefix instead.
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"torch_tp/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:

@@ -16,7 +16,6 @@ from unittest import mock
 
 import torch.distributed as dist
 
-
 __all__ = ["assert_comm_counts", "comm_counts", "communication_of", "record_p2p", "sent_bytes"]
 
 # In-place c10d ops (what torch.distributed.* calls dispatch to) -> the

@@ -13,9 +13,11 @@ import pathlib
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
-__all__ = ["ROOT", "run_script"]
+__all__ = ["ROOT", "ScriptRun", "run_script"]
 
 #: The repository root (the checkout holding ``torch_tp/``, ``tutorials/`` and ``benchmarks/``).
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -54,13 +56,20 @@ def run_script(
         >>> run_script("-c", "import sys; sys.exit(3)", check=False).returncode
         3
     """
-    command = [sys.executable, *argv]
+    return _finish(_start_script(argv, env), argv, timeout, check)
+
+
+def _start_script(argv: tuple[str, ...], env: Mapping[str, str] | None) -> subprocess.Popen:
     variables = {**os.environ, **(env or {})}
     variables["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), variables.get("PYTHONPATH")]))
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, env=variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its own process group: a timeout ends the ranks it spawned too
     )
+
+
+def _finish(process: subprocess.Popen, argv: tuple[str, ...], timeout: float, check: bool) -> subprocess.CompletedProcess:
+    """Wait for ``process`` (killed with its group past ``timeout``); assert it exited 0 if ``check``."""
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -72,10 +81,96 @@ def run_script(
     finally:
         if process.poll() is None:  # interrupted (Ctrl-C): leave nothing running
             _kill_group(process)
-    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     if check and done.returncode != 0:
         raise AssertionError(f"{_shown(argv)} exited {done.returncode}\n{_tails(stdout, stderr)}")
     return done
+
+
+class ScriptRun:
+    """One :func:`run_script` run that tests read, started ahead of them so that two run at once.
+
+    A script's start is single-threaded for seconds (importing torch in the script, again in
+    the fork server, the rendezvous), so two scripts side by side take little longer than one.
+    Declare the run at module level and mark the tests that read it with
+    ``@pytest.mark.script_runs(RUN)``: the repository's ``conftest.py`` moves those tests to the
+    end of the session and hands their runs, in that order, to :meth:`plan`. When a test asks
+    for :meth:`result`, its run starts (if it has not) and so do the planned runs after it, up
+    to :attr:`IN_FLIGHT` at a time. Each run happens once, however many tests read it.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("runs the main job")
+        >>> MAIN_JOB = ScriptRun("-m", "torch_tp.demo")
+        >>> @pytest.mark.script_runs(MAIN_JOB)
+        ... def test_main_job_trains():
+        ...     assert "loss curve matches" in MAIN_JOB.result().stdout
+    """
+
+    #: Runs allowed to be running at once (this one and those started ahead).
+    IN_FLIGHT: ClassVar[int] = 2
+    _planned: ClassVar[list["ScriptRun"]] = []
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, *argv: str, timeout: float = 240.0, env: Mapping[str, str] | None = None) -> None:
+        self.argv, self.timeout, self.env = argv, timeout, dict(env or {})
+        self._process: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+        self._outcome: subprocess.CompletedProcess | AssertionError | None = None
+
+    def __repr__(self) -> str:
+        return f"ScriptRun({_shown(self.argv)!r})"
+
+    @classmethod
+    def plan(cls, runs: Iterable["ScriptRun"]) -> None:
+        """The runs the session's tests will read, in the order they read them (once each)."""
+        cls._planned = list(dict.fromkeys(runs))
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """End every planned run still running (with the processes of its group), e.g. when the
+        session ends before its tests read them."""
+        for run in cls._planned:
+            if run._process is not None and run._process.poll() is None:
+                _kill_group(run._process)
+
+    def result(self) -> subprocess.CompletedProcess:
+        """The finished process (as :func:`run_script` returns it); raises its ``AssertionError``
+        if the script failed or ran past its timeout."""
+        __tracebackhide__ = True
+        with ScriptRun._lock:
+            self._start()
+            self._start_ahead()
+        assert self._thread is not None
+        self._thread.join()
+        if isinstance(self._outcome, AssertionError):
+            raise AssertionError(str(self._outcome))
+        assert self._outcome is not None
+        return self._outcome
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._process = _start_script(self.argv, self.env)
+            self._thread = threading.Thread(target=self._wait, name=f"script {_shown(self.argv)}", daemon=True)
+            self._thread.start()
+
+    def _start_ahead(self) -> None:
+        planned = ScriptRun._planned
+        after = planned[planned.index(self) + 1:] if self in planned else []
+        for run in after:
+            if sum(r._running() for r in planned) >= ScriptRun.IN_FLIGHT:
+                return
+            run._start()
+
+    def _running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _wait(self) -> None:
+        assert self._process is not None
+        try:
+            self._outcome = _finish(self._process, self.argv, self.timeout, check=True)
+        except AssertionError as failed:
+            self._outcome = failed
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -1,0 +1,46 @@
+"""Checkpoints: DCP that loads without trusting the files, and training runs saved and resumed.
+
+Two concerns, one namespace:
+
+- :func:`save`, :func:`load`, :class:`SafeFileSystemReader` (``_safe.py``): ``dcp.save`` to a
+  local directory, and ``dcp.load`` with every pickle restricted to an allowlist, every file
+  checked before it is read (see ``docs/checkpoint.md``).
+- :func:`save_training_state`, :func:`load_training_state`, :func:`latest_checkpoint`,
+  :func:`read_extra` (``_training.py``): model, optimizer, step, the caller's values and the RNG state of a
+  training run, in ``DIR/step-<n>`` directories that appear only once complete, resumed from
+  the newest on any mesh.
+
+Example::
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     _ = save({"w": torch.arange(4.0), "step": 3}, path)
+    ...     state = {"w": torch.zeros(4), "step": 0}
+    ...     load(state, path)
+    >>> state
+    {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+"""
+
+import torch  # noqa: F401 (the example above runs with this module's globals)
+
+from torch_tp.checkpoint._safe import SafeFileSystemReader, load, save
+from torch_tp.checkpoint._training import (
+    CheckpointMismatchError,
+    TrainingState,
+    latest_checkpoint,
+    load_training_state,
+    read_extra,
+    save_training_state,
+)
+
+__all__ = [
+    "CheckpointMismatchError",
+    "SafeFileSystemReader",
+    "TrainingState",
+    "latest_checkpoint",
+    "load",
+    "load_training_state",
+    "read_extra",
+    "save",
+    "save_training_state",
+]
