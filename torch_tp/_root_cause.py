@@ -36,13 +36,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_tp._rank_failure import (
-    MESSAGE_CHARS,
-    TRACEBACK_CHARS,
-    bounded,
-    collective_in_stack,
-    recording_in_stack,
-)
+from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded, collective_in_stack, recording_in_stack
 
 __all__ = ["OUTPUT_CHARS", "STOPPED", "RankOutcome", "explain", "exit_description", "output_tail", "root_cause"]
 

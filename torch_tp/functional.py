@@ -26,18 +26,9 @@ import torch.nn as nn
 
 from torch_tp.conv.spatial import SpatialParallel
 from torch_tp.parallel.experts import ExpertParallel, ExpertTensorParallel
-from torch_tp.parallel.prepare import (
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-)
+from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from torch_tp.parallel.replicate import ReplicateParallel, replicate
-from torch_tp.parallel.style import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
     "colwise",

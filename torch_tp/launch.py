@@ -63,23 +63,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import (
-    descendants,
-    end_processes,
-    exit_with,
-    mark_job,
-    process_state,
-    without_watcher_threads,
-)
+from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
 from torch_tp._rank_failure import exception_record, native_errors_to_stderr
-from torch_tp._root_cause import (
-    OUTPUT_CHARS,
-    STOPPED,
-    RankOutcome,
-    explain,
-    output_tail,
-    root_cause,
-)
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
 
@@ -240,14 +226,21 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     torchrun's agent keeps one store for the whole job and its workers share it; a worker group
     restarted after a failure (``--max-restarts``) would find the previous attempt's gloo
     addresses under the same keys and fail in ``init_process_group`` ("connectFullMesh failed",
-    about one restart in two with torch 2.13). Each attempt gets its own prefix instead.
+    about one restart in two with torch 2.13). Each attempt gets its own prefix instead, and
+    so does each group a process starts (a script that calls :func:`launch` twice under
+    torchrun initializes the default group twice, in the same store).
     """
     from torch.distributed.rendezvous import rendezvous
 
+    global _GROUPS_STARTED
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store, rank, world_size = next(rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"torch_tp/attempt-{attempt}", store)
+    store = dist.PrefixStore(f"torch_tp/attempt-{attempt}/group-{_GROUPS_STARTED}", store)
+    _GROUPS_STARTED += 1
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+_GROUPS_STARTED = 0  # default groups this process initialized through launch (their store prefix)
 
 
 def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:

@@ -34,32 +34,19 @@ Example::
     [128, 256, 256, 128]
 """
 
-from torch_tp.conv import sharded_conv as _sharded_conv
-from torch_tp.conv import transposed_conv as _transposed_conv
 from torch_tp.conv._geometry import ShardWindow, conv_windows, resolve_padding
 from torch_tp.conv._region_ops import UnsupportedSpatialOpError
-from torch_tp.conv._registry import public_functions as _public_functions
-from torch_tp.conv.batch_norm import (
-    batch_norm_backward_handler,
-    batch_norm_handler,
-    sharded_batch_norm,
-)
+from torch_tp.conv.batch_norm import batch_norm_backward_handler, batch_norm_handler, sharded_batch_norm
 from torch_tp.conv.global_mean import sharded_mean
-from torch_tp.conv.group_norm import (
-    group_norm_backward_handler,
-    group_norm_handler,
-    sharded_group_norm,
-)
+from torch_tp.conv.group_norm import group_norm_backward_handler, group_norm_handler, sharded_group_norm
 from torch_tp.conv.halo import halo_bytes, halo_exchange
 from torch_tp.conv.padding import sharded_padding
 from torch_tp.conv.pointwise import sharded_pointwise
 from torch_tp.conv.pooling import sharded_pooling
-from torch_tp.conv.sharded_conv import (
-    convolution_backward_handler,
-    convolution_handler,
-    halo_overlap,
-    overlaps_halos,
-)
+from torch_tp.conv import sharded_conv as _sharded_conv
+from torch_tp.conv import transposed_conv as _transposed_conv
+from torch_tp.conv._registry import public_functions as _public_functions
+from torch_tp.conv.sharded_conv import convolution_backward_handler, convolution_handler, halo_overlap, overlaps_halos
 from torch_tp.conv.spatial import SpatialParallel, check_spatial
 from torch_tp.conv.transposed_conv import transposed_convolution_handler
 from torch_tp.conv.upsample import sharded_upsampling

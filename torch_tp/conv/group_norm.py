@@ -65,16 +65,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torch_tp.conv._core import (
-    bind,
-    check_replicated,
-    compute_dtype,
-    local,
-    merge_moments,
-    partial_where_sharded,
-    spatial_layout,
-    wrap,
-)
+from torch_tp.conv._core import bind, check_replicated, compute_dtype, local, merge_moments, \
+    partial_where_sharded, spatial_layout, wrap
 from torch_tp.conv._registry import Decline, HandlerSet
 
 __all__ = [

@@ -69,12 +69,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch_tp._layouts import shard_bounds
 from torch_tp.conv._core import bind, expand, spatial_layout, without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, _chunk_windows
+from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
 from torch_tp.conv._registry import HandlerSet
-from torch_tp.conv.halo import (
-    _exchange_backward,
-    _exchange_forward,
-    _resolve_neighbours,
-)
 
 __all__ = [
     "adaptive_max_pool_backward_handler",

@@ -42,17 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torch_tp.conv._core import (
-    CONV_ARGS,
-    CONV_BACKWARD_ARGS,
-    bind,
-    check_replicated,
-    expand,
-    partial_where_sharded,
-    spatial_layout,
-    without_partials,
-    wrap,
-)
+from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_replicated, expand, partial_where_sharded, spatial_layout, \
+    without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, conv_windows
 from torch_tp.conv._registry import HandlerSet
 from torch_tp.conv.halo import (

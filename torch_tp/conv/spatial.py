@@ -31,11 +31,7 @@ from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dt
 from torch_tp.conv import _registry
 from torch_tp.conv._region_ops import RegionGuard
 from torch_tp.parallel import rules
-from torch_tp.parallel.style import (
-    ParallelStyle,
-    distribute_parameters,
-    name_plain_tensors_on_error,
-)
+from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
 __all__ = ["SpatialParallel", "check_spatial", "check_spatial_region", "is_spatial_leaf"]
 

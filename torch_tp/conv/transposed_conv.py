@@ -44,17 +44,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torch_tp._layouts import shard_bounds
-from torch_tp.conv._core import (
-    CONV_ARGS,
-    CONV_BACKWARD_ARGS,
-    bind,
-    check_replicated,
-    expand,
-    partial_where_sharded,
-    spatial_layout,
-    without_partials,
-    wrap,
-)
+from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_replicated, expand, partial_where_sharded, spatial_layout, \
+    without_partials, wrap
 from torch_tp.conv._ranges import _gather, _Ranges, _ranges, _scatter_add, _slices
 from torch_tp.conv._registry import HandlerSet
 

@@ -26,20 +26,15 @@ from collections.abc import Callable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp.parallel.api import parallelize_module
 from torch_tp.parallel.experts import ExpertParallel, ExpertTensorParallel
 from torch_tp.parallel.plan import match_pattern
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput
 from torch_tp.parallel.replicate import ReplicateParallel
-from torch_tp.parallel.style import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = ["STYLES", "EXPERT_STYLES", "tp_plan", "parallelize"]
 

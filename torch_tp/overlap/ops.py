@@ -28,11 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.overlap import _custom_ops
-from torch_tp.overlap._custom_ops import (
-    REDUCE_OPS,
-    check_all_gather_matmul,
-    check_matmul_reduce_scatter,
-)
+from torch_tp.overlap._custom_ops import REDUCE_OPS, check_all_gather_matmul, check_matmul_reduce_scatter
 
 __all__ = [
     "REDUCE_OPS",

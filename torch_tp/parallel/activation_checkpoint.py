@@ -30,11 +30,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torch_tp._layouts import replace_forward
 from torch_tp.parallel._order import CHECKPOINTED, require_before

@@ -9,26 +9,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel.style import (
-    ParallelStyle as UpstreamParallelStyle,
-)
+from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
 from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
 from torch_tp.parallel._order import require_before
 from torch_tp.parallel._upstream import UpstreamStyle
-from torch_tp.parallel.plan import (
-    PlanEntry,
-    check_ties,
-    check_whole_units,
-    earlier_ties,
-    keep_earlier_ties,
-    owned_parameters,
-    planned_placements,
-    remember_replaced,
-    resolve_plan,
-    retie,
-)
+from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, earlier_ties, keep_earlier_ties
+from torch_tp.parallel.plan import owned_parameters, planned_placements, remember_replaced, resolve_plan, retie
 from torch_tp.parallel.replicate import replicate
 from torch_tp.parallel.style import ParallelStyle
 

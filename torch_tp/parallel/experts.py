@@ -54,13 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._agreement import Fact, check_on_every_rank
-from torch_tp._layouts import (
-    finish_output,
-    redistribute_to,
-    replace_forward,
-    shard_sizes,
-    to_dtensor,
-)
+from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
 from torch_tp.parallel import _dispatch, rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters
 

@@ -28,12 +28,7 @@ from torch_tp._layouts import shard_sizes
 from torch_tp.parallel import rules
 from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import outermost_matches, resolve_plan
-from torch_tp.parallel.predict import (
-    DEFAULT_MIN_WEIGHT_SIZE,
-    axis_sizes,
-    check_min_weight_size,
-    predict_dp_placement,
-)
+from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
 from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]

@@ -39,12 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch_tp.parallel._order import require_before
 from torch_tp.parallel.explain import PlanReport, explain_plan
 from torch_tp.parallel.plan import outermost_matches
-from torch_tp.parallel.predict import (
-    DEFAULT_MIN_WEIGHT_SIZE,
-    axis_sizes,
-    check_min_weight_size,
-    predict_dp_placement,
-)
+from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
 
 __all__ = ["fully_shard_by_pattern", "predict_placements"]
 

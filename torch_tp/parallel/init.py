@@ -41,10 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = ["init_parameters", "module_seed"]
 

@@ -42,9 +42,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel.style import (
-    ParallelStyle as UpstreamParallelStyle,
-)
+from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import shard_sizes

@@ -27,11 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import redistribute_to, to_dtensor
 from torch_tp.parallel import rules
-from torch_tp.parallel.style import (
-    ParallelStyle,
-    distribute_parameters,
-    name_plain_tensors_on_error,
-)
+from torch_tp.parallel.style import ParallelStyle, distribute_parameters, name_plain_tensors_on_error
 
 __all__ = ["ReplicateParallel", "check_replicate_parallel", "replicate"]
 

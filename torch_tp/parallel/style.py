@@ -31,22 +31,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import (
-    agreed_dtensor,
-    finish_output,
-    redistribute_to,
-    replace_forward,
-)
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward
 from torch_tp.parallel import _overlap, rules
 from torch_tp.parallel._style_base import ParallelStyle
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
 # upstream defines these in its style.py, and upstream code imports them from ``.style``
-from torch_tp.parallel.prepare import (
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-)
+from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 
 __all__ = [
     "ParallelStyle",

@@ -24,9 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel.style import (
-    ParallelStyle as UpstreamParallelStyle,
-)
+from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
 from torch_tp.parallel import rules
 from torch_tp.parallel._verify_report import (

@@ -12,16 +12,10 @@ Example::
     (torch.int8, torch.Size([8, 4]))
 """
 
-# The op tables: each registers its aten ops on Int8SymmetricTensor.implements.
-from torch_tp.quant import (  # noqa: E402,F401,I001
-    _ops_checkpoint,
-    _ops_collective,
-    _ops_fsdp,
-    _ops_matmul,
-    _ops_overlap,
-    _ops_shape,
-)
-from torch_tp.quant.config import Int8SymmetricWeightConfig, quantize_module_weight
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor
+
+# The op tables: each registers its aten ops on Int8SymmetricTensor.implements.
+from torch_tp.quant import _ops_checkpoint, _ops_collective, _ops_fsdp, _ops_matmul, _ops_overlap, _ops_shape  # noqa: E402,F401,I001
+from torch_tp.quant.config import Int8SymmetricWeightConfig, quantize_module_weight
 
 __all__ = ["Int8SymmetricTensor", "Int8SymmetricWeightConfig", "quantize_module_weight"]

@@ -21,50 +21,21 @@ A tutorial or benchmark runs as users run it (in the parent; ``ROOT`` is the rep
     out = run_script("benchmarks/halo_conv.py", "--quick", timeout=180).stdout
 """
 
-from torch_tp.testing._comm import (
-    assert_comm_counts,
-    comm_counts,
-    communication_of,
-    record_p2p,
-    sent_bytes,
-)
-from torch_tp.testing._dist import (
-    RankFailure,
-    run_on_ranks,
-    shutdown_pools,
-    world_sizes,
-)
-from torch_tp.testing._fixtures import (
-    TOL,
-    markdown_tables,
-    quantize_weights,
-    small_llama,
-    small_llama_args,
-    tolerance,
-)
+from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes
+from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
+from torch_tp.testing._fixtures import TOL, markdown_tables, quantize_weights, small_llama, small_llama_args, tolerance
 from torch_tp.testing._on_ranks import on_ranks
-from torch_tp.testing._rank import (
-    COLLECTIVE_TIMEOUT,
-    mesh_2x2,
-    rank,
-    tp_mesh,
-    world_size,
-)
+from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
 from torch_tp.testing._reference import (
     assert_params_and_grads_match,
-    assert_training_step_matches,
     assert_trains_like,
+    assert_training_step_matches,
     full_tensor,
     full_tensors,
     local_chunk,
 )
 from torch_tp.testing._scripts import ROOT, ScriptRun, run_script
-from torch_tp.testing._sharded import (
-    ShardedStep,
-    assert_sharded_step_matches,
-    replicated_copy,
-    shard_locally,
-)
+from torch_tp.testing._sharded import ShardedStep, assert_sharded_step_matches, replicated_copy, shard_locally
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",

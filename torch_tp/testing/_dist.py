@@ -52,15 +52,16 @@ from typing import Any, Callable, Iterator, Mapping
 from torch_tp._orphans import descendants, end_processes, process_state
 from torch_tp.testing._rank import _log_path, _stack_path, _worker_main
 from torch_tp.testing._report import (
+    _Reply,
+    _Report,
     _build_report,
     _file_size,
     _parent_side_record,
     _read_from,
-    _Reply,
-    _Report,
     _tail,
     _wait_for_files_to_settle,
 )
+
 
 __all__ = ["RankFailure", "run_on_ranks", "shutdown_pools", "world_sizes"]
 

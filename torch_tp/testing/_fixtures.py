@@ -99,11 +99,9 @@ def quantize_weights(model: nn.Module, *, embeddings: bool = True) -> nn.Module:
         >>> type(quantize_weights(nn.Embedding(10, 8), embeddings=False).weight).__name__
         'Parameter'
     """
-    from torchao import quantize_
+    from torch_tp.quant import Int8SymmetricWeightConfig  # imports torchao quietly first
 
-    from torch_tp.quant import (
-        Int8SymmetricWeightConfig,  # imports torchao quietly first
-    )
+    from torchao import quantize_
 
     kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
     quantize_(model, Int8SymmetricWeightConfig(), filter_fn=lambda module, fqn: isinstance(module, kinds))

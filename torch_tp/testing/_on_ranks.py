@@ -20,12 +20,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
-from torch_tp.testing._dist import (
-    DEFAULT_TASK_TIMEOUT,
-    _check_world_size,
-    run_on_ranks,
-    world_sizes,
-)
+from torch_tp.testing._dist import DEFAULT_TASK_TIMEOUT, _check_world_size, run_on_ranks, world_sizes
 
 __all__ = ["on_ranks"]
 

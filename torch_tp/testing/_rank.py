@@ -23,13 +23,8 @@ import torch
 import torch.distributed as dist
 
 from torch_tp._orphans import exit_with, mark_job
-from torch_tp._rank_failure import (
-    TRACEBACK_CHARS,
-    bounded,
-    exception_record,
-    formatted_traceback,
-    native_errors_to_stderr,
-)
+from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback, native_errors_to_stderr
+
 
 __all__ = ["COLLECTIVE_TIMEOUT", "mesh_2x2", "rank", "tp_mesh", "world_size"]
 

@@ -15,15 +15,9 @@ from typing import Any
 
 from torch_tp._orphans import without_watcher_threads
 from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded
-from torch_tp._root_cause import (
-    OUTPUT_CHARS,
-    STOPPED,
-    RankOutcome,
-    explain,
-    output_tail,
-    root_cause,
-)
+from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 from torch_tp.testing._rank import _log_path
+
 
 #: How many trailing lines of a failing rank's output go into the report.
 LOG_TAIL_LINES = 40
