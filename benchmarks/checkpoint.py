@@ -5,7 +5,8 @@ Command (spawns 2 gloo CPU ranks and prints one table)::
     python3 benchmarks/checkpoint.py            # 30 steps, a checkpoint every 5 (~20 s)
     python3 benchmarks/checkpoint.py --quick    # 10 steps (the smoke test)
 
-Under ``torchrun --nproc-per-node 2 benchmarks/checkpoint.py`` the launcher's ranks are used.
+Under ``torchrun --nproc-per-node 2 benchmarks/checkpoint.py`` the launcher's ranks are used
+(the checkpoints then go to a directory named after torchrun's run id).
 
 Every rank trains a Llama of the main job's size (``torch_tp.demo``: tensor + sequence parallel
 over all ranks, AdamW) on the same batches twice: without checkpoints, then with
@@ -22,13 +23,15 @@ directory). Columns (rank 0's wall times; a barrier before each step):
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import pathlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,10 +40,29 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import init_parameters, parallelize_module
 from torch_tp.checkpoint import save_training_state
-from torch_tp.launch import launch, launched_by_torchrun, rank_device
+from torch_tp.launch import launched_by_torchrun, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
+# _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _driver import (  # noqa: E402
+    RunConfig,
+    benchmark_arguments,
+    finish_arguments,
+    markdown_table,
+    report_header,
+    run_world,
+    world_sizes,
+)
+
 BATCH = 4
+COLUMNS = ("step ms", "save ms", "checkpoint KiB", "per step ms (no saves)", "per step ms (saves)", "overhead")
+
+
+@dataclass(frozen=True)
+class Config(RunConfig):
+    every: int
+    directory: str
 
 
 def _model_args(tp: int) -> ModelArgs:
@@ -64,7 +86,7 @@ def _model_and_optimizer(tp: int):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def _train(steps: int, every: int | None, directory: str | None) -> tuple[list[float], list[float], float]:
+def _train(steps: int, every: int | None, directory: str) -> tuple[list[float], list[float], float]:
     """(step times, save times, wall time of the whole run), in seconds."""
     tp = dist.get_world_size()
     model, optimizer = _model_and_optimizer(tp)
@@ -86,43 +108,43 @@ def _train(steps: int, every: int | None, directory: str | None) -> tuple[list[f
     return step_times, save_times, time.perf_counter() - start
 
 
-def _bench(options: argparse.Namespace, directory: str) -> None:
-    _train(2, None, None)  # warm-up: the first steps pay one-time costs
-    plain, _, plain_wall = _train(options.steps, None, None)
-    with_saves, saves, saving_wall = _train(options.steps, options.every, directory)
+def rank_main(config: Config) -> None:
+    _train(config.warmup, None, config.directory)  # the first steps pay one-time costs
+    plain, _, plain_wall = _train(config.iters, None, config.directory)
+    _, saves, saving_wall = _train(config.iters, config.every, config.directory)
     if dist.get_rank() != 0:
         return
-    newest = max(pathlib.Path(directory).iterdir())
+    newest = max(pathlib.Path(config.directory).iterdir())
     size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-    per_step, per_step_saving = 1e3 * plain_wall / options.steps, 1e3 * saving_wall / options.steps
-    print(f"torch {torch.__version__}, {dist.get_backend()}, {dist.get_world_size()} ranks; the demo's Llama "
-          f"(tp {dist.get_world_size()}), {options.steps} steps, a checkpoint every {options.every}\n")
-    print("| step ms | save ms | checkpoint KiB | per step ms (no saves) | per step ms (saves) | overhead |")
-    print("|---------|---------|----------------|------------------------|---------------------|----------|")
-    print(f"| {1e3 * statistics.median(plain):.2f} | {1e3 * statistics.median(saves):.1f} | {size / 1024:.1f} "
-          f"| {per_step:.2f} | {per_step_saving:.2f} | {100 * (per_step_saving / per_step - 1):+.0f}% |")
-    assert len(saves) == options.steps // options.every and len(with_saves) == options.steps
+    per_step, per_step_saving = 1e3 * plain_wall / config.iters, 1e3 * saving_wall / config.iters
+    row = {"step ms": f"{1e3 * statistics.median(plain):.2f}", "save ms": f"{1e3 * statistics.median(saves):.1f}",
+           "checkpoint KiB": f"{size / 1024:.1f}", "per step ms (no saves)": f"{per_step:.2f}",
+           "per step ms (saves)": f"{per_step_saving:.2f}", "overhead": f"{100 * (per_step_saving / per_step - 1):+.0f}%"}
+    with open(config.result_path, "w") as f:
+        json.dump([row], f)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 steps (the smoke test)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--every", type=int, default=5, help="save after every K steps")
-    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn (ignored under torchrun)")
-    options = parser.parse_args(argv)
-    if options.quick:
-        options.steps = 10
+    parser = benchmark_arguments(__file__, __doc__, iters=(30, 10), warmup=(2, 2), what="run (steps)",
+                                 quick="10 steps", min_iters=1)
+    parser.add_argument("--every", type=int, default=5, help="save after every K steps (default 5)")
+    parser.set_defaults(world_sizes="2")
+    options = finish_arguments(parser, argv)
+    nproc = world_sizes(options.world_sizes)[0]
     if launched_by_torchrun():  # every rank runs this: one directory, named after the job
-        run = os.environ["TORCHELASTIC_RUN_ID"]
-        directory = os.path.join(tempfile.gettempdir(), f"torch_tp_checkpoint_bench_{run}")
+        directory = os.path.join(tempfile.gettempdir(), f"torch_tp_checkpoint_bench_{os.environ['TORCHELASTIC_RUN_ID']}")
     else:
         directory = tempfile.mkdtemp(prefix="torch_tp_checkpoint_bench_")
     try:
-        launch(_bench, options, directory, nproc=options.nproc)
+        rows = run_world(rank_main, nproc, Config(iters=options.iters, warmup=options.warmup, every=options.every,
+                                                  directory=directory))
     finally:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if os.environ.get("RANK", "0") == "0":
             shutil.rmtree(directory, ignore_errors=True)
+    if rows:
+        print(report_header(options, ranks=f"{nproc} ranks", rounds=" steps")
+              + f"\nthe main job's Llama (tp {nproc}), {options.iters} steps, a checkpoint every {options.every}\n")
+        print(markdown_table(COLUMNS, [tuple(row[c] for c in COLUMNS) for row in rows]))
 
 
 if __name__ == "__main__":

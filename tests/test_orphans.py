@@ -55,6 +55,18 @@ def _running(pids: set[int]) -> set[int]:
     return {pid for pid in pids if (stat := _stat(pid)) is not None and stat[0] != "Z"}
 
 
+def _wait_or_show_stacks(job, timeout):
+    """Wait for ``job``; one that has not ended by then fails with its threads' stacks."""
+    try:
+        job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGUSR1)  # fault_job.py dumps every thread's stack to stderr
+        time.sleep(2)
+        job.kill()
+        job.wait(timeout=30)
+        raise AssertionError(f"the job did not end within {timeout} s of the signal:\n{job.stderr.read()[-8000:]}") from None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("mode", ["launch", "pool"])
@@ -75,7 +87,7 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
         started = _descendants(job.pid)
         assert len(started) >= 2, started  # at least the two ranks
         job.send_signal(sig)
-        job.wait(timeout=30)
+        _wait_or_show_stacks(job, timeout=30)
         deadline = time.monotonic() + GRACE_S
         while (left := _running(started)) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -85,6 +97,39 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
             os.kill(pid, signal.SIGKILL)
         job.wait(timeout=30)
         job.stderr.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_torchruns_agent_ends_its_workers(tmp_path):
+    # a node lost whole (its agent SIGKILLed): its workers must not carry on (torch_tp.launch
+    # ties a torchrun worker to its agent, as to any parent: exit_with)
+    flag = tmp_path / "ranks_in_place"
+    started: set[int] = set()
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(JOB), "torchrun-blocked", str(flag)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists():
+            assert agent.poll() is None, f"the job ended early: {agent.stderr.read()}"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 is inside its all_reduce
+        started = _descendants(agent.pid)
+        assert len(started) >= 2, started
+        agent.kill()
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + GRACE_S
+        while (left := _running(started)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
+    finally:
+        for pid in _running(started | _descendants(agent.pid)) | ({agent.pid} if agent.poll() is None else set()):
+            os.kill(pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        agent.stderr.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

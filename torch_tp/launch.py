@@ -246,6 +246,7 @@ _GROUPS_STARTED = 0  # default groups this process initialized through launch (t
 def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+    exit_with(os.getppid())  # the agent: a worker whose agent was killed (its node lost) ends too
     try:
         _run_rank(fn, args, timeout)
     except Exception as exc:
