@@ -38,6 +38,9 @@ def blocked(flag_file):
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a job that will not end: its stacks
+    # Ctrl-C as at a terminal: a suite started in the background (`cmd &` in a script) hands its
+    # processes SIGINT ignored, and Python then leaves it ignored (the pool mode would never stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode, flag = sys.argv[1], sys.argv[2]
     if mode == "launch":
         from torch_tp.launch import launch
