@@ -67,16 +67,11 @@ def _wait_or_show_stacks(job, timeout):
         raise AssertionError(f"the job did not end within {timeout} s of the signal:\n{job.stderr.read()[-8000:]}") from None
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
-@pytest.mark.parametrize("mode", ["launch", "pool"])
-def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
-    flag = tmp_path / "ranks_in_place"
+def _stopped_job_leaves_nothing(command, flag, stop, env=None):
+    """Start ``command`` (a run of ``fault_job.py`` that writes ``flag`` once its ranks are in
+    place), ``stop(job)`` it, and check that none of its descendants runs ``GRACE_S`` later."""
     started: set[int] = set()
-    job = subprocess.Popen(
-        [sys.executable, str(JOB), mode, str(flag)], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
         while not flag.exists():
@@ -86,8 +81,7 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
         time.sleep(0.5)  # rank 0 is inside its all_reduce
         started = _descendants(job.pid)
         assert len(started) >= 2, started  # at least the two ranks
-        job.send_signal(sig)
-        _wait_or_show_stacks(job, timeout=30)
+        stop(job)
         deadline = time.monotonic() + GRACE_S
         while (left := _running(started)) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -100,36 +94,29 @@ def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("mode", ["launch", "pool"])
+def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
+    def stop(job):
+        job.send_signal(sig)
+        _wait_or_show_stacks(job, timeout=30)
+
+    flag = tmp_path / "ranks_in_place"
+    _stopped_job_leaves_nothing([sys.executable, str(JOB), mode, str(flag)], flag, stop)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_killing_torchruns_agent_ends_its_workers(tmp_path):
     # a node lost whole (its agent SIGKILLed): its workers must not carry on (torch_tp.launch
     # ties a torchrun worker to its agent, as to any parent: exit_with)
-    flag = tmp_path / "ranks_in_place"
-    started: set[int] = set()
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(JOB), "torchrun-blocked", str(flag)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not flag.exists():
-            assert agent.poll() is None, f"the job ended early: {agent.stderr.read()}"
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
-        time.sleep(0.5)  # rank 0 is inside its all_reduce
-        started = _descendants(agent.pid)
-        assert len(started) >= 2, started
+    def stop(agent):
         agent.kill()
         agent.wait(timeout=30)
-        deadline = time.monotonic() + GRACE_S
-        while (left := _running(started)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
-    finally:
-        for pid in _running(started | _descendants(agent.pid)) | ({agent.pid} if agent.poll() is None else set()):
-            os.kill(pid, signal.SIGKILL)
-        agent.wait(timeout=30)
-        agent.stderr.close()
+
+    flag = tmp_path / "ranks_in_place"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(JOB), "torchrun-blocked", str(flag)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    _stopped_job_leaves_nothing(command, flag, stop, env=env)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

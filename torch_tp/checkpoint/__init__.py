@@ -14,11 +14,9 @@ Example::
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as path:
-    ...     _ = save({"w": torch.arange(4.0), "step": 3}, path)
-    ...     state = {"w": torch.zeros(4), "step": 0}
-    ...     load(state, path)
-    >>> state
-    {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+    ...     _ = save({"w": torch.ones(2)}, f"{path}/step-00000003")
+    ...     latest_checkpoint(path).name
+    'step-00000003'
 """
 
 import torch  # noqa: F401 (the example above runs with this module's globals)
