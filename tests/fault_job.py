@@ -8,8 +8,7 @@ is gone.
 ``torchrun --nproc-per-node 2 tests/fault_job.py torchrun -``: rank 1 raises while rank 0 waits
 in an all_reduce; ``tests/test_faults.py`` checks that torchrun names rank 1 as the root cause.
 
-``torchrun --nproc-per-node 2 tests/fault_job.py torchrun-blocked FLAG_FILE``: the run to kill,
-under torchrun; ``tests/test_orphans.py`` kills torchrun's agent and checks that its workers end.
+(A killed torchrun agent's workers: ``tests/test_multinode.py``, a lost node.)
 """
 
 import faulthandler
@@ -50,10 +49,6 @@ if __name__ == "__main__":
         from torch_tp.launch import launch
 
         launch(raises_on_rank_1, timeout=timedelta(seconds=600))
-    elif mode == "torchrun-blocked":
-        from torch_tp.launch import launch
-
-        launch(blocked, flag, timeout=timedelta(seconds=600))
     else:
         from torch_tp.testing import run_on_ranks
 

@@ -4,7 +4,10 @@
 server, the ranks) or with ``run_on_ranks`` (a fork server and a pool), one rank blocked inside
 an all_reduce. The job is then killed with SIGKILL (no cleanup at all), SIGTERM or SIGINT
 (Ctrl-C); within 5 s none of its descendants may be running (a zombie, already ended and waiting
-for its new parent to reap it, counts as gone).
+for its new parent to reap it, counts as gone). The six jobs start together (their start is
+seconds of imports each; blocked, they wait idle) and each test stops its own.
+
+A torchrun agent killed with its workers blocked: ``tests/test_multinode.py`` (a lost node).
 """
 
 import os
@@ -67,13 +70,39 @@ def _wait_or_show_stacks(job, timeout):
         raise AssertionError(f"the job did not end within {timeout} s of the signal:\n{job.stderr.read()[-8000:]}") from None
 
 
-def _stopped_job_leaves_nothing(command, flag, stop, env=None):
-    """Start ``command`` (a run of ``fault_job.py`` that writes ``flag`` once its ranks are in
-    place), ``stop(job)`` it, and check that none of its descendants runs ``GRACE_S`` later."""
+MODES = ["launch", "pool"]
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+
+
+@pytest.fixture(scope="module")
+def blocked_jobs(tmp_path_factory):
+    """A run of ``fault_job.py`` per (mode, signal), all started now, each with the flag file its
+    rank 1 writes once the ranks are in place. Whatever a test left running ends here."""
+    jobs = {}
+    for mode in MODES:
+        for name in SIGNALS:
+            flag = tmp_path_factory.mktemp(f"{mode}-{name}") / "ranks_in_place"
+            job = subprocess.Popen([sys.executable, str(JOB), mode, str(flag)], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            jobs[mode, name] = job, flag
+    yield jobs
+    for job, _ in jobs.values():
+        _end_everything(job, set())
+
+
+def _end_everything(job, started):
+    for pid in _running(started | _descendants(job.pid)) | ({job.pid} if job.poll() is None else set()):
+        os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    job.stderr.close()
+
+
+def _stopped_job_leaves_nothing(job, flag, stop):
+    """Once ``job`` (a run of ``fault_job.py``) wrote ``flag`` (its ranks are in place),
+    ``stop(job)`` it and check that none of its descendants runs ``GRACE_S`` later."""
     started: set[int] = set()
-    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while not flag.exists():
             assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
             assert time.monotonic() < deadline, "the ranks never started"
@@ -87,36 +116,18 @@ def _stopped_job_leaves_nothing(command, flag, stop, env=None):
             time.sleep(0.1)
         assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
     finally:  # whatever is left (a failed check) must not outlive the test
-        for pid in _running(started | _descendants(job.pid)) | ({job.pid} if job.poll() is None else set()):
-            os.kill(pid, signal.SIGKILL)
-        job.wait(timeout=30)
-        job.stderr.close()
+        _end_everything(job, started)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
-@pytest.mark.parametrize("mode", ["launch", "pool"])
-def test_killing_the_parent_leaves_no_process_of_the_run(tmp_path, mode, sig):
+@pytest.mark.parametrize("sig", list(SIGNALS))
+@pytest.mark.parametrize("mode", MODES)
+def test_killing_the_parent_leaves_no_process_of_the_run(blocked_jobs, mode, sig):
     def stop(job):
-        job.send_signal(sig)
+        job.send_signal(SIGNALS[sig])
         _wait_or_show_stacks(job, timeout=30)
 
-    flag = tmp_path / "ranks_in_place"
-    _stopped_job_leaves_nothing([sys.executable, str(JOB), mode, str(flag)], flag, stop)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_killing_torchruns_agent_ends_its_workers(tmp_path):
-    # a node lost whole (its agent SIGKILLed): its workers must not carry on (torch_tp.launch
-    # ties a torchrun worker to its agent, as to any parent: exit_with)
-    def stop(agent):
-        agent.kill()
-        agent.wait(timeout=30)
-
-    flag = tmp_path / "ranks_in_place"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(JOB), "torchrun-blocked", str(flag)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    _stopped_job_leaves_nothing(command, flag, stop, env=env)
+    _stopped_job_leaves_nothing(*blocked_jobs[mode, sig], stop)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

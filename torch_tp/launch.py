@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_tp._heartbeat import Heartbeat, lost_ranks_line
 from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
 from torch_tp._rank_failure import exception_record, native_errors_to_stderr
 from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
@@ -198,13 +199,21 @@ def launch(
 # -- one rank ------------------------------------------------------------------------------------
 
 
-def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return: Callable[[], None] | None = None) -> None:
+def _run_rank(
+    fn: Callable[..., Any],
+    args: tuple,
+    timeout: timedelta,
+    on_return: Callable[[], None] | None = None,
+    on_group: Callable[[dist.Store], None] | None = None,
+) -> None:
     native_errors_to_stderr()
     device = rank_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _init_default_group(backend, timeout)
+    store = _init_default_group(backend, timeout)
+    if on_group is not None:
+        on_group(store)
     fn(*args)
     if on_return is not None:
         on_return()  # a rank that then waits in the barrier for peers still in a collective returned early
@@ -219,7 +228,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta, on_return
     gc.collect()
 
 
-def _init_default_group(backend: str, timeout: timedelta) -> None:
+def _init_default_group(backend: str, timeout: timedelta) -> dist.Store:
     """``init_process_group`` from the launcher's environment (``env://``), its keys under the
     restart attempt (``TORCHELASTIC_RESTART_COUNT``).
 
@@ -228,7 +237,7 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     addresses under the same keys and fail in ``init_process_group`` ("connectFullMesh failed",
     about one restart in two with torch 2.13). Each attempt gets its own prefix instead, and
     so does each group a process starts (a script that calls :func:`launch` twice under
-    torchrun initializes the default group twice, in the same store).
+    torchrun initializes the default group twice, in the same store). Returns that store.
     """
     from torch.distributed.rendezvous import rendezvous
 
@@ -238,6 +247,7 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     store = dist.PrefixStore(f"torch_tp/attempt-{attempt}/group-{_GROUPS_STARTED}", store)
     _GROUPS_STARTED += 1
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return store
 
 
 _GROUPS_STARTED = 0  # default groups this process initialized through launch (their store prefix)
@@ -247,14 +257,37 @@ def _torchrun_rank(fn: Callable[..., Any], args: tuple, timeout: timedelta) -> N
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     exit_with(os.getppid())  # the agent: a worker whose agent was killed (its node lost) ends too
+    beats: list[Heartbeat] = []
+
+    def start_beating(store: dist.Store) -> None:
+        beats.append(Heartbeat(store, dist.get_rank(), dist.get_world_size()))
+        beats[0].start()
+
     try:
-        _run_rank(fn, args, timeout)
+        _run_rank(fn, args, timeout, on_group=start_beating)
     except Exception as exc:
         record = exception_record(exc)
-        if record["symptom"]:
-            time.sleep(SYMPTOM_GRACE_SECONDS)  # let the agent see the root cause first
+        if record["symptom"]:  # a consequence: let the agent see the root cause first, meanwhile
+            lost = _name_the_lost_ranks(beats)  # find out who is gone (the agent prints the traceback)
+            record["message"], record["traceback"] = record["message"] + lost, record["traceback"] + lost
         _record_for_torchrun(record, ErrorHandler)
         raise
+    finally:
+        for beat in beats:
+            beat.stop()
+
+
+def _name_the_lost_ranks(beats: list[Heartbeat]) -> str:
+    """After a failed collective: the line naming the peers with no heartbeat, printed to this
+    rank's stderr (the agent's console) and returned for the error file. Takes
+    ``SYMPTOM_GRACE_SECONDS`` either way."""
+    if not beats:  # the group never started: nothing beats
+        time.sleep(SYMPTOM_GRACE_SECONDS)
+        return ""
+    beat = beats[0]
+    line = lost_ranks_line(beat.rank, beat.world_size, beat.lost_ranks(probe_s=SYMPTOM_GRACE_SECONDS), SYMPTOM_GRACE_SECONDS)
+    print(line, file=sys.stderr, flush=True)
+    return "\n" + line
 
 
 def _record_for_torchrun(record: dict, handler: type) -> None:
