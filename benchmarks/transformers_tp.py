@@ -81,6 +81,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import transformers  # here, not in a function: the fork server imports it once for every rank (~4 s each)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -110,8 +111,6 @@ class Config(RunConfig):
 
 def tiny_model(name: str) -> torch.nn.Module:
     """A freshly initialized tiny causal LM of family ``name`` (same weights on every rank)."""
-    import transformers
-
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
                   tie_word_embeddings=False)
@@ -324,8 +323,6 @@ def measure_model(name: str, mesh: DeviceMesh, config: Config) -> list[dict]:
 
 def rank_main(config: Config) -> None:
     """Entry point on every rank: measure every model, rank 0 writes the rows as JSON."""
-    import transformers
-
     transformers.logging.set_verbosity_error()  # loading reports and deprecation notes
     transformers.utils.logging.disable_progress_bar()
     world = dist.get_world_size()
@@ -374,8 +371,6 @@ def ratio_cells(rows: list[dict]) -> list[tuple[str, ...]]:
 
 
 def format_report(rows: list[dict], options: argparse.Namespace) -> str:
-    import transformers
-
     timed = [r for r in rows if "error" not in r]
     parts = [
         report_header(options, software=f"transformers {transformers.__version__}"),

@@ -5,10 +5,14 @@ The zoo Llama trains 4 AdamW steps. The interrupted run trains 2, saves
 the newest checkpoint (``load_training_state``) and train steps 3 and 4. On the same mesh the
 losses and the parameters are the uninterrupted run's bit for bit; on another mesh (2 -> 4
 ranks, (dp 2, tp 2) -> tp 4) within float32 tolerance; every run is compared with one process.
+An int8-weight Llama (``torch_tp.quant``) resumes the same way, its int8 bit for bit. A
+checkpoint of another model, size or dtype (bfloat16, int8) is refused before anything is
+loaded; ``keep=`` leaves the newest checkpoints.
 """
 
 import os
 import pathlib
+import re
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ from torch_tp.testing import (
     TOL,
     full_tensor,
     mesh_2x2,
+    quantize_weights,
     run_on_ranks,
     small_llama,
     tp_mesh,
@@ -127,6 +132,19 @@ def _listing(directory):
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(directory).rglob("*")}
 
 
+def _params_whole(model):
+    """Each parameter made whole (a copy): ``(qdata, scale)`` of an int8 weight, else the tensor."""
+    wholes = {name: full_tensor(p.detach()) for name, p in model.named_parameters()}
+    return {name: (w.qdata.clone(), w.scale.clone()) if hasattr(w, "qdata") else w.clone() for name, w in wholes.items()}
+
+
+def _assert_same_params(got, expected):
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        pairs = zip(got[name], value) if isinstance(value, tuple) else [(got[name], value)]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs), name
+
+
 def test_a_checkpoint_left_half_written_is_never_loaded(tmp_path):
     # a job killed while saving step 3 leaves step-00000003.partial: files without .metadata
     _linear_run(tmp_path, 2)
@@ -140,16 +158,27 @@ def test_a_checkpoint_left_half_written_is_never_loaded(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing here") is None
 
 
-@pytest.mark.parametrize("case", ["another model", "another size", "a file"])
+@pytest.mark.parametrize("case", ["another model", "another size", "another dtype", "int8 weights", "a file"])
 def test_a_checkpoint_of_another_model_is_refused_by_name_and_nothing_is_written(case, tmp_path):
     _linear_run(tmp_path, 1)
     before = _listing(tmp_path)
-    directory, model = tmp_path, nn.Sequential(nn.Linear(4, 3)) if case == "another model" else nn.Linear(4, 5)
+    directory, model = tmp_path, {
+        "another model": lambda: nn.Sequential(nn.Linear(4, 3)),
+        "another size": lambda: nn.Linear(4, 5),
+        "another dtype": lambda: nn.Linear(4, 3).to(torch.bfloat16),
+        "int8 weights": lambda: quantize_weights(nn.Linear(4, 3)),
+        "a file": lambda: nn.Linear(4, 3),
+    }[case]()
     if case == "a file":
-        directory, model = tmp_path / "step-00000001" / ".metadata", nn.Linear(4, 3)
+        directory = tmp_path / "step-00000001" / ".metadata"
+    untouched = _params_whole(model)
     expected = {
         "another model": r"holds another model: the model's 0\.bias, 0\.weight \(2 entries\) not in the checkpoint",
         "another size": r"holds bias of shape \[3\], the model's is \[5\]: the checkpoint is of another model size",
+        "another dtype": r"holds bias as float32, the model's is bfloat16: the checkpoint was saved from the model "
+                         r"in another dtype",
+        "int8 weights": r"holds weight as float32, the model's is int8 \(Int8SymmetricTensor, logical float32\): "
+                        r"the checkpoint was saved from the model in another dtype",
         "a file": r"\.metadata' is a file, not a checkpoint directory",
     }[case]
     with pytest.raises(CheckpointMismatchError, match=expected):
@@ -159,3 +188,64 @@ def test_a_checkpoint_of_another_model_is_refused_by_name_and_nothing_is_written
             save_training_state(directory, 2, model, torch.optim.AdamW(model.parameters()))
     assert _listing(tmp_path) == before
     assert os.listdir(tmp_path) == ["step-00000001"]
+    _assert_same_params(_params_whole(model), untouched)  # nothing loaded
+
+
+def test_keep_leaves_the_newest_checkpoints(tmp_path):
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range(1, 5):
+        save_training_state(tmp_path, step, model, optimizer, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    with pytest.raises(ValueError, match=r"torch_tp\.checkpoint: save_training_state\(keep=0\) would keep no checkpoint"):
+        save_training_state(tmp_path, 5, model, optimizer, keep=0)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+
+
+# An int8-weight Llama (torch_tp.quant, frozen int8 weights, trained norms) on tp 2: saved after
+# 2 steps and resumed into a model of another seed, it holds the saved int8 bit for bit and
+# trains steps 3 and 4 as the run that never stopped; a float model refuses its checkpoint.
+
+
+def _int8_llama(seed, quantized=True):
+    model = small_llama(seed=seed, n_layers=1)
+    model = quantize_weights(model) if quantized else model
+    return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True))
+
+
+def _trainable(model):
+    return torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)  # the norms
+
+
+def _int8_resumed(directory):
+    model = _int8_llama(0)
+    optimizer = _trainable(model)
+    _train(model, optimizer, 1, SAVED_AFTER)
+    save_training_state(directory, SAVED_AFTER, model, optimizer)
+    saved = _params_whole(model)
+    never_stopped = _train(model, optimizer, SAVED_AFTER + 1, STEPS)
+    resumed = _int8_llama(1)
+    before = _params_whole(resumed)
+    resumed_optimizer = _trainable(resumed)
+    state = load_training_state(directory, resumed, resumed_optimizer)
+    loaded = _params_whole(resumed)
+    losses = _train(resumed, resumed_optimizer, state.step + 1, STEPS)
+    float_model = _int8_llama(1, quantized=False)
+    with pytest.raises(CheckpointMismatchError) as refused:
+        load_training_state(directory, float_model, torch.optim.AdamW(float_model.parameters()))
+    return {"saved": saved, "before": before, "loaded": loaded, "never_stopped": never_stopped, "losses": losses,
+            "final": _params_whole(model), "resumed_final": _params_whole(resumed), "refused": str(refused.value)}
+
+
+def test_an_int8_tensor_parallel_model_resumes_bit_for_bit(tmp_path):
+    for run in run_on_ranks(_int8_resumed, 2, str(tmp_path)):
+        int8 = sorted(name for name, value in run["saved"].items() if isinstance(value, tuple))
+        assert "output.weight" in int8 and "layers.0.attention.wq.weight" in int8, int8
+        assert all(run["saved"][name][0].dtype == torch.int8 for name in int8)
+        assert not any(torch.equal(run["before"][name][0], run["saved"][name][0]) for name in int8)
+        _assert_same_params(run["loaded"], run["saved"])
+        assert run["losses"] == run["never_stopped"], (run["losses"], run["never_stopped"])
+        _assert_same_params(run["resumed_final"], run["final"])
+        assert re.search(r"holds \S+\.weight as int8 \(Int8SymmetricTensor, logical float32\), the model's is float32: "
+                         r"the checkpoint was saved from the model in another dtype", run["refused"]), run["refused"]

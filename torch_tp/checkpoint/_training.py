@@ -15,9 +15,11 @@ run resumable after a rank died at any moment:
 ============================  ==================================================================
 
 :func:`latest_checkpoint` is the newest complete one; :func:`save_training_state` writes one and
-:func:`load_training_state` resumes from the newest. Before anything is loaded, the checkpoint's
-parameter names and global shapes are compared with the model's: another model, or the same
-model at another size, raises :class:`CheckpointMismatchError` naming the first difference.
+:func:`load_training_state` resumes from the newest (``keep=`` prunes the oldest). Before anything
+is loaded, the checkpoint's parameter names, global shapes and dtypes are compared with the
+model's: another model, the same model at another size or in another dtype (bfloat16 for
+float32, int8 weights for float ones), raises :class:`CheckpointMismatchError` naming the first
+difference.
 The RNG states (each rank's CPU generator, and CUDA's where it is initialized) are restored
 only on the world size that saved them: resuming on another mesh continues the run's numbers
 (model, optimizer, step, data position), not its random streams.
@@ -41,12 +43,13 @@ import os
 import pathlib
 import re
 import shutil
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from torch_tp.checkpoint._safe import SafeFileSystemReader, load, save
 
@@ -61,6 +64,7 @@ __all__ = [
 
 _STEP = re.compile(r"step-(\d{8})")
 _PARTIAL = ".partial"
+_DTYPES = "parameter_dtypes"  # each model tensor's dtype, with its storage (int8 weights): JSON
 
 
 class CheckpointMismatchError(ValueError):
@@ -116,10 +120,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> pathlib.Path | None:
         ...     latest_checkpoint(d).name
         'step-00000005'
     """
-    root = _checkpoint_root(directory)
-    if not root.exists():
-        return None
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name))
+    steps = _complete_checkpoints(_checkpoint_root(directory))
     return steps[-1] if steps else None
 
 
@@ -150,6 +151,7 @@ def save_training_state(
     optimizer: torch.optim.Optimizer,
     *,
     extra: dict[str, Any] | None = None,
+    keep: int | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> pathlib.Path:
     """Save ``model``, ``optimizer``, ``step``, ``extra`` and the RNG states as ``DIR/step-<step>``.
@@ -157,7 +159,9 @@ def save_training_state(
     Call it on every rank of ``process_group`` (default: the default group), as DCP requires.
     The files go to ``step-<step>.partial`` first; once every rank has written its part, rank 0
     renames it to ``step-<step>``, so a job that dies while saving leaves a ``.partial`` that is
-    never loaded, and the previous checkpoint stays the newest complete one.
+    never loaded, and the previous checkpoint stays the newest complete one. With ``keep``, rank 0
+    then removes the oldest complete checkpoints until ``keep`` remain, the new one among them
+    (each is renamed to ``.partial`` before it is removed, so one half removed is never loaded).
 
     Args:
         directory: where checkpoints live (created if missing).
@@ -167,17 +171,28 @@ def save_training_state(
 
     Keyword Args:
         extra: plain values to keep with the step (data position, configuration), JSON-encodable.
+        keep: how many complete checkpoints to leave in ``directory`` (at least 1; ``None``: all).
         process_group: the ranks that save together.
 
     Returns:
         the complete checkpoint's directory.
 
-    Example::
+    Raises:
+        ValueError: ``keep`` is below 1 (raised on every rank before anything is written).
 
-        >>> # xdoctest: +SKIP("every rank of a training job")
-        >>> save_training_state("ckpt", 12, model, optimizer, extra={"data_position": 12})
-        PosixPath('ckpt/step-00000012')
+    Example (one process here; a training job calls it on every rank; ``keep=2``: the two
+    newest remain)::
+
+        >>> import tempfile
+        >>> model = nn.Linear(2, 2)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     for step in (5, 10, 15):
+        ...         path = save_training_state(d, step, model, optimizer, extra={"data_position": step}, keep=2)
+        ...     path.name, sorted(p.name for p in pathlib.Path(d).iterdir())
+        ('step-00000015', ['step-00000010', 'step-00000015'])
     """
+    _require_keep(keep)
     root = _checkpoint_root(directory)
     final = root / f"step-{step:08d}"
     partial = final.with_name(final.name + _PARTIAL)
@@ -187,6 +202,7 @@ def save_training_state(
         "optimizer": optim_state,
         "step": step,
         "extra": json.dumps(extra or {}, sort_keys=True),
+        _DTYPES: json.dumps(_dtypes(model_state), sort_keys=True),
         "world_size": _world_size(process_group),
         "rng": {f"rank{_rank(process_group)}": _rng_states()},
     }
@@ -202,6 +218,8 @@ def save_training_state(
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_directory(root)
+        if keep is not None:
+            _prune(root, keep, final)
     _barrier(process_group)
     return final
 
@@ -221,7 +239,9 @@ def load_training_state(
 
     Raises:
         CheckpointMismatchError: the checkpoint's parameters differ from the model's (a name
-            missing on either side, or another global shape), or ``directory`` is a file.
+            missing on either side, another global shape, another dtype: float32 saved and
+            bfloat16 in the model, int8 weights saved and float ones in the model, or the
+            reverse), or ``directory`` is a file.
 
     Example::
 
@@ -237,9 +257,11 @@ def load_training_state(
     saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     _check_same_model(model_state, saved, path)
     rank, world = _rank(process_group), _world_size(process_group)
-    saved_world = {"world_size": 0}
-    load(saved_world, path, process_group=process_group)
-    same_world = saved_world["world_size"] == world
+    header = {"world_size": 0, **({_DTYPES: ""} if _DTYPES in saved else {})}  # older checkpoints: none
+    load(header, path, process_group=process_group)
+    if _DTYPES in header:
+        _check_same_dtypes(_dtypes(model_state), json.loads(header[_DTYPES]), path)
+    same_world = header["world_size"] == world
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state, "step": 0, "extra": ""}
     if same_world:
         state["rng"] = {f"rank{rank}": _rng_states()}
@@ -261,8 +283,64 @@ def _checkpoint_root(directory: str | os.PathLike) -> pathlib.Path:
     return root
 
 
+def _complete_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
+    """The complete checkpoints in ``root``, oldest first (none when ``root`` does not exist)."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name))
+
+
+def _require_keep(keep: int | None) -> None:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(
+            f"torch_tp.checkpoint: save_training_state(keep={keep!r}) would keep no checkpoint; "
+            "pass keep=1 or more (the number of complete checkpoints to leave), or keep=None to keep all"
+        )
+
+
+def _prune(root: pathlib.Path, keep: int, final: pathlib.Path) -> None:
+    """Remove the oldest complete checkpoints but ``final`` until ``keep`` remain (``final`` included).
+
+    Each is renamed to ``.partial`` first: a job that dies while removing one leaves a directory
+    that is never loaded (and is removed by the next save of that step).
+    """
+    older = [p for p in _complete_checkpoints(root) if p != final]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
+        doomed = old.with_name(old.name + _PARTIAL)
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(old, doomed)
+        shutil.rmtree(doomed)
+
+
+def _dtypes(model_state: dict[str, Any]) -> dict[str, str]:
+    """Each tensor's dtype as the checkpoint's check names it: ``"float32"``, or for a tensor
+    subclass its storage, class and logical dtype (``"int8 (Int8SymmetricTensor, logical float32)"``).
+
+    DCP's metadata records only the logical dtype, which an int8 weight shares with a float one.
+
+    Example::
+
+        >>> _dtypes({"w": torch.ones(2, dtype=torch.bfloat16), "step": 3})
+        {'w': 'bfloat16'}
+    """
+    return {name: _dtype_name(value) for name, value in model_state.items() if torch.is_tensor(value)}
+
+
+def _dtype_name(value: torch.Tensor) -> str:
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if type(local) in (torch.Tensor, nn.Parameter):
+        return _dtype_str(value.dtype)
+    inner = getattr(local, "qdata", None)  # the stored values of a quantized tensor
+    stored = _dtype_str(inner.dtype if torch.is_tensor(inner) else value.dtype)
+    return f"{stored} ({type(local).__name__}, logical {_dtype_str(value.dtype)})"
+
+
+def _dtype_str(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.") if dtype is not None else "not a tensor"
+
+
 def _check_same_model(model_state: dict[str, Any], saved: dict[str, Any], path: pathlib.Path) -> None:
-    """The model's parameter names and global shapes are the checkpoint's (``model.*`` entries)."""
+    """The model's parameter names, global shapes and dtypes are the checkpoint's (``model.*`` entries)."""
     theirs = {key[len("model."):]: meta for key, meta in saved.items() if key.startswith("model.")}
     ours = {name: tuple(value.shape) for name, value in model_state.items() if torch.is_tensor(value)}
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
@@ -282,6 +360,26 @@ def _check_same_model(model_state: dict[str, Any], saved: dict[str, Any], path: 
                 f"torch_tp.checkpoint: {path} holds {name} of shape {list(saved_shape)}, the model's is "
                 f"{list(shape)}: the checkpoint is of another model size; build the model it saved"
             )
+    for name, value in sorted(model_state.items()):
+        if torch.is_tensor(value):
+            saved_dtype = getattr(getattr(theirs[name], "properties", None), "dtype", None)
+            if saved_dtype != value.dtype:  # DCP records the logical dtype: float32 for an int8 weight too
+                _dtype_mismatch(path, name, _dtype_str(saved_dtype), _dtype_str(value.dtype))
+
+
+def _check_same_dtypes(ours: dict[str, str], theirs: dict[str, str], path: pathlib.Path) -> None:
+    """Each of the model's tensors is stored as the checkpoint stored it (:func:`_dtypes`)."""
+    for name, dtype in sorted(ours.items()):
+        if theirs.get(name, dtype) != dtype:
+            _dtype_mismatch(path, name, theirs[name], dtype)
+
+
+def _dtype_mismatch(path: pathlib.Path, name: str, saved: str, ours: str) -> NoReturn:
+    raise CheckpointMismatchError(
+        f"torch_tp.checkpoint: {path} holds {name} as {saved}, the model's is {ours}: the checkpoint "
+        f"was saved from the model in another dtype; build the model as it was saved (its dtype, "
+        f"quantized or not), load, then convert it"
+    )
 
 
 def _names(names: list[str], shown: int = 3) -> str:

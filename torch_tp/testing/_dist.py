@@ -89,6 +89,13 @@ _FORKSERVER_PRELOAD = [
     "torch.distributed.tensor.parallel",
     "pytest",
 ]
+# Imported by the fork server as well when the session has imported the package (pytest imports
+# every test module at collection, before the first pool starts): a worker would otherwise import
+# them on its first task, each worker again (transformers' models: ~3 s of CPU per worker).
+_FORKSERVER_PRELOAD_IF_IMPORTED = {
+    "torch_tp": ["torch_tp", "torch_tp.testing"],
+    "transformers": ["transformers", "transformers.modeling_utils"],
+}
 _STACK_DUMP_WAIT = 2.0
 _STOP_WAIT = 5.0
 
@@ -258,7 +265,8 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         # Only effective before the fork server starts; harmless afterwards.
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        imported = [m for package, modules in _FORKSERVER_PRELOAD_IF_IMPORTED.items() if package in sys.modules for m in modules]
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD + imported)
     return ctx
 
 
