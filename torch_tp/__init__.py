@@ -32,6 +32,7 @@ from torch_tp.parallel import (
     parallelize_module,
     predict_placements,
     save_collectives_and_matmuls,
+    suggest_plan,
     verify_plan,
 )
 
@@ -57,6 +58,7 @@ __all__ = [
     "save_collectives_and_matmuls",
     "verify_plan",
     "VerificationReport",
+    "suggest_plan",
     "init_parameters",
     "ParallelStyle",
     "ColwiseParallel",

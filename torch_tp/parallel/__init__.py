@@ -20,6 +20,7 @@ from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutp
 from torch_tp.parallel.rules import UnsupportedModuleError
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch_tp.parallel.suggest import SuggestedPlan, suggest_plan
 from torch_tp.parallel.verify import VerificationReport, verify_plan
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "save_collectives_and_matmuls",
     "verify_plan",
     "VerificationReport",
+    "suggest_plan",
+    "SuggestedPlan",
     "init_parameters",
     "module_seed",
     "PlanReport",

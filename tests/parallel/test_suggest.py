@@ -1,0 +1,118 @@
+"""``suggest_plan``: a plan derived from the model's dataflow (``torch.export``), applied as it is
+and compared with one process: outputs, every gradient, parameters after an SGD step."""
+
+import copy
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_tp import parallelize_module
+from torch_tp.models.llama import tensor_parallel_plan
+from torch_tp.parallel.suggest import SuggestedPlan, suggest_plan
+from torch_tp.testing import assert_trains_like, on_ranks, small_llama, small_llama_args, tp_mesh
+
+VOCAB = small_llama_args().vocab_size
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+class Mixer(nn.Module):
+    """A hand-written block with names no list knows: separate q/k/v, GELU MLP, LayerNorms."""
+
+    def __init__(self, dim=32, heads=4, hidden=64):
+        super().__init__()
+        self.heads = heads
+        self.ln_a, self.ln_b = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.merge = nn.Linear(dim, dim)
+        self.expand, self.squeeze = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln_a(x)
+        q, k, v = (f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        attended = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.merge(attended)
+        return x + self.squeeze(F.gelu(self.expand(self.ln_b(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(Mixer(heads=heads), Mixer(heads=heads))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def _ce(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@on_ranks(2)
+def test_a_hand_written_transformer_gets_a_plan_from_its_dataflow_and_trains_like_one_process():
+    reference = Stack()
+    x = torch.randn(2, 8, 32)
+    plan = suggest_plan(reference, tp_mesh(), (x,))
+    for block in ("blocks.0", "blocks.1"):
+        assert {name: type(plan[f"{block}.{name}"]).__name__ for name in ("to_q", "to_k", "to_v", "merge", "expand", "squeeze")} == {
+            "to_q": "ColwiseParallel", "to_k": "ColwiseParallel", "to_v": "ColwiseParallel", "merge": "RowwiseParallel",
+            "expand": "ColwiseParallel", "squeeze": "RowwiseParallel"}
+    assert "head" not in plan and plan.reasons["head"] == "the model returns it"
+    assert plan.sharded_fraction > 0.5, str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randn(2, 8, 32), torch.randn(2, 8, 10)) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="derived plan")
+
+
+@on_ranks(2)
+def test_the_llamas_derived_plan_covers_its_shipped_plans_linear_layers_and_trains_like_one_process():
+    reference = small_llama(seed=0)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    plan = suggest_plan(reference, tp_mesh(), (tokens,))
+    shipped = tensor_parallel_plan()
+    linears = {name for name, m in reference.named_modules() if isinstance(m, nn.Linear)}
+    for name in linears:
+        style = next((s for pattern, s in shipped.items() if _matches(pattern, name)), None)
+        if style is not None and name != "output":  # the output head: the shipped plan's own layout
+            assert type(plan.get(name)).__name__ == type(style).__name__, (name, str(plan))
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _ce, optimizer=SGD, what="derived llama plan")
+
+
+def _matches(pattern, name):
+    from torch_tp.parallel import match_pattern
+
+    return match_pattern(pattern, name)
+
+
+@on_ranks(2)
+def test_heads_the_ranks_cannot_split_keep_attention_replicated_with_the_reason():
+    reference = Stack(heads=1)  # 1 head over 2 ranks
+    plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 8, 32),))
+    assert "blocks.0.to_q" not in plan and "cannot split evenly" in plan.reasons["blocks.0.to_q"], str(plan)
+    assert type(plan["blocks.0.expand"]).__name__ == "ColwiseParallel"
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randn(2, 8, 32), torch.randn(2, 8, 10))]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="heads not split")
+
+
+@on_ranks(2)
+def test_a_model_without_linear_layers_gets_an_empty_plan_that_says_so():
+    plan = suggest_plan(nn.Sequential(nn.LayerNorm(8), nn.GELU()), tp_mesh(), (torch.randn(2, 8),))
+    assert plan == {} and plan.sharded_fraction == 0.0
+    assert "no linear layer" in str(plan)
+
+
+def test_the_table_lists_every_linear_layer_with_its_style_and_why():
+    plan = SuggestedPlan({}, reasons={"a": "the model returns it"}, sharded_fraction=0.0)
+    assert str(plan).splitlines()[2].split() == ["a", "replicated", "the", "model", "returns", "it"]

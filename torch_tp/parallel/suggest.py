@@ -1,0 +1,272 @@
+"""A tensor-parallel plan derived from what the model computes, not from its module names.
+
+:func:`suggest_plan` exports the model (``torch.export``, on the example inputs), then follows
+each linear layer's output features through the graph (:mod:`torch_tp.parallel._dataflow`, one
+rule per op): a layer whose features reach other linear layers' input features only through
+ops that keep them split (pointwise ops, activations, attention within each head) starts a
+group; the group's first layers are ``ColwiseParallel``, the layers it ends in
+``RowwiseParallel``. Every other linear layer stays replicated, with the op that needs its
+features whole as the reason.
+
+Between the two ends the values are plain local slices (upstream's default outputs) when the
+model's own code, run once on every rank on the example inputs, gives its outputs that way (code
+that reshapes with ``-1``); otherwise they stay DTensors (``ColwiseParallel(use_local_output=
+False)``), so code written with the whole model's sizes (a ``view`` to ``n_heads`` heads)
+keeps its meaning on each rank's slice.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> plan = suggest_plan(model, mesh, (tokens,))
+    >>> print(plan)              # module, style, why; the share of parameter bytes split
+    >>> parallelize_module(model, mesh, plan)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.fx import Node
+
+from torch_tp.parallel._dataflow import Stop, rule_for
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__ = ["SuggestedPlan", "suggest_plan"]
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+@dataclasses.dataclass
+class _Group:
+    """Linear layers split together: ``starts`` colwise, ``ends`` rowwise, or why not."""
+
+    starts: list[str]
+    ends: list[str] = dataclasses.field(default_factory=list)
+    ops: list[str] = dataclasses.field(default_factory=list)
+    stop: str | None = None
+
+
+class SuggestedPlan(dict):
+    """A plan (``{module: style}``, accepted by ``parallelize_module`` as it is) with its reasons.
+
+    ``reasons`` holds a line per linear layer: why it is split, or why it stays replicated.
+    ``sharded_fraction`` is the share of the model's parameter bytes that the plan splits.
+    ``str(plan)`` is a table of both.
+
+    Example::
+
+        >>> plan = SuggestedPlan({"up": ColwiseParallel()}, reasons={"up": "feeds down"}, sharded_fraction=0.5)
+        >>> print(plan)
+        module  style            why
+        ------  ---------------  ----------
+        up      ColwiseParallel  feeds down
+        50.0% of the parameter bytes split
+    """
+
+    def __init__(self, styles: dict[str, ParallelStyle], *, reasons: dict[str, str], sharded_fraction: float) -> None:
+        super().__init__(styles)
+        self.reasons, self.sharded_fraction = reasons, sharded_fraction
+
+    def __str__(self) -> str:
+        rows = [(name, type(self[name]).__name__ if name in self else "replicated", why) for name, why in self.reasons.items()]
+        header = ("module", "style", "why")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, tuple("-" * w for w in widths), *rows]]
+        if not rows:
+            return "no linear layer in the model: nothing to split (an empty plan)"
+        return "\n".join([*lines, f"{100 * self.sharded_fraction:.1f}% of the parameter bytes split"])
+
+
+def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...]) -> SuggestedPlan:
+    """Derive a tensor-parallel plan for ``model`` on the 1-D ``mesh`` from its dataflow.
+
+    ``model`` is exported with ``torch.export`` on ``example_inputs`` (the model is not
+    changed); its ``nn.Linear`` layers are paired as described in the module docstring. Every
+    dim split along the way must divide by the mesh size (heads not divisible by the ranks keep
+    their attention replicated, with that reason).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> plan = suggest_plan(model, tp_mesh, (torch.randint(0, 128, (2, 8)),))
+        >>> plan["layers.0.attention.wq"]
+        ColwiseParallel(...)
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"torch_tp.suggest_plan: a 1-D mesh is needed, got {mesh.ndim} dims: pass mesh['tp']")
+    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    weights = dict(program.graph_signature.inputs_to_parameters)
+    linears = {node: _module_of(node, weights) for node in program.graph.nodes if _is_linear(node, weights)}
+    groups = _groups(program.graph, linears, mesh.size())
+    local = _local_outputs_run(model, mesh, example_inputs, _plan(model, linears, groups, local_output=True))
+    return _plan(model, linears, groups, local_output=local)
+
+
+def _local_outputs_run(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> bool:
+    """Whether the model's own code runs on each rank's local slices (upstream's default
+    outputs: plain tensors, as code that reshapes with ``-1`` expects) and gives its outputs.
+    Otherwise the values between the ends stay DTensors (code that reshapes with the whole
+    model's sizes keeps its meaning), which cannot meet plain tensors such as rotary tables.
+    Every rank runs the same forward on a copy: the answer is the same everywhere."""
+    from torch_tp.parallel.api import parallelize_module
+
+    if not plan:
+        return True
+    try:
+        with torch.no_grad():
+            want = model(*example_inputs)
+            got = parallelize_module(copy.deepcopy(model), mesh, plan)(*example_inputs)
+        return isinstance(got, torch.Tensor) and torch.allclose(_whole(got), want, rtol=1e-4, atol=1e-5)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _is_linear(node: Node, weights: dict[str, str]) -> bool:
+    return node.op == "call_function" and node.target is _LINEAR and getattr(node.args[1], "name", None) in weights
+
+
+def _module_of(node: Node, weights: dict[str, str]) -> str:
+    return weights[node.args[1].name].removesuffix(".weight")
+
+
+#: Ops that check and return nothing a later op reads: a split value passes them by.
+_CHECKS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
+def _groups(graph: torch.fx.Graph, linears: dict[Node, str], ranks: int) -> list[_Group]:
+    """One forward pass over ``graph``: every linear layer's output starts a group; a value
+    computed from split values joins their groups (union-find); an op with no rule for the
+    split, or a split that does not divide by ``ranks``, stops the groups it touches."""
+    parent: dict[Node, Node] = {}  # union-find over the starting linear nodes
+
+    def root(node: Node) -> Node:
+        while parent[node] is not node:
+            node = parent[node]
+        return node
+
+    split: dict[Node, tuple[int, Node]] = {}  # value -> (its split dim, a start of its group)
+    ends: list[tuple[Node, Node]] = []  # (linear reading split features, a start of that group)
+    stops: dict[Node, str] = {}
+    ops: dict[Node, list[str]] = {}
+
+    def stop(starts: list[Node], why: str) -> None:
+        for start in starts:
+            stops.setdefault(root(start), why)
+
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target in _CHECKS:
+            if node.op == "output":
+                stop([split[a][1] for a in _tensor_args(node) if a in split], "the model returns it")
+            continue
+        inputs = {a: split[a] for a in _tensor_args(node) if a in split}
+        starts = [start for _, start in inputs.values()]
+        for other in starts[1:]:
+            parent[root(other)] = root(starts[0])
+        if node in linears and node.args[0] in inputs:
+            dim, start = inputs[node.args[0]]
+            if dim != len(_shape(node.args[0])) - 1:
+                stop(starts, f"{linears[node]} reads it along another dim")
+            ends.append((node, start))
+        elif inputs:
+            try:
+                dim = rule_for(node)(node, {a: d for a, (d, _) in inputs.items()})
+                _require_divisible(node, dim, ranks)
+            except Stop as why:
+                stop(starts, str(why))
+                continue
+            split[node] = (dim, starts[0])
+            ops.setdefault(root(starts[0]), []).append(str(node.target).removeprefix("aten.").split(".")[0])
+        if node in linears:
+            parent[node] = node
+            try:
+                _require_divisible(node, len(_shape(node)) - 1, ranks)
+                split[node] = (len(_shape(node)) - 1, node)
+            except Stop as why:
+                stops[node] = str(why)
+    return _collect(linears, parent, root, ends, stops, ops)
+
+
+def _collect(linears, parent, root, ends, stops, ops) -> list[_Group]:
+    groups: dict[Node, _Group] = {}
+    for start in parent:
+        group = groups.setdefault(root(start), _Group(starts=[]))
+        group.starts.append(linears[start])
+    for end, start in ends:
+        groups[root(start)].ends.append(linears[end])
+    for key, group in groups.items():
+        merged_ops = [op for start in parent if root(start) is key for op in ops.get(start, [])] + ops.get(key, [])
+        group.ops = list(dict.fromkeys(merged_ops))
+        group.stop = stops.get(key) or (None if group.ends else "no linear layer reads its output features")
+    return _choose(list(groups.values()))
+
+
+def _tensor_args(node: Node) -> list[Node]:
+    flat = [a for a in node.args if isinstance(a, Node)]
+    flat += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, Node)]
+    return flat
+
+
+def _shape(node: Node) -> tuple[int, ...]:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _require_divisible(node: Node, dim: int, ranks: int) -> None:
+    size = _shape(node)[dim] if _shape(node) else 0
+    if size % ranks:
+        raise Stop(f"{node.target} has {size} there, which {ranks} ranks cannot split evenly (e.g. heads)")
+
+
+def _choose(groups: list[_Group]) -> list[_Group]:
+    """The groups that hold, in graph order; a layer an earlier group placed keeps its place (a
+    later group that would place it again is dropped, with that reason)."""
+    placed: dict[str, str] = {}
+    for group in groups:
+        if group.stop is None:
+            taken = [m for m in group.starts + group.ends if m in placed]
+            if taken:
+                group.stop = f"{taken[0]} is already {placed[taken[0]]}"
+            else:
+                placed.update({m: "ColwiseParallel" for m in group.starts})
+                placed.update({m: "RowwiseParallel" for m in group.ends})
+    return groups
+
+
+def _plan(model: nn.Module, linears: dict[Node, str], groups: list[_Group], *, local_output: bool) -> SuggestedPlan:
+    styles: dict[str, ParallelStyle] = {}
+    reasons: dict[str, str] = {}
+    for group in groups:
+        if group.stop is None:
+            through = ", ".join(dict.fromkeys(group.ops)) or "nothing"
+            for start in group.starts:
+                styles[start] = ColwiseParallel(use_local_output=local_output)
+                reasons[start] = f"its output features reach {', '.join(group.ends)} only through {through}"
+            for end in group.ends:
+                styles[end] = RowwiseParallel() if local_output else RowwiseParallel(input_layouts=Shard(-1))
+                reasons[end] = f"its input features come split from {', '.join(group.starts)}"
+    for group in groups:
+        for start in group.starts:
+            reasons.setdefault(start, f"{group.stop}")
+    ordered = {name: reasons[name] for name in dict.fromkeys(linears.values()) if name in reasons}
+    return SuggestedPlan(styles, reasons=ordered, sharded_fraction=_sharded_fraction(model, styles))
+
+
+def _sharded_fraction(model: nn.Module, styles: dict[str, ParallelStyle]) -> float:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    split = sum(
+        p.numel() * p.element_size()
+        for name, module in model.named_modules() if name in styles
+        for pname, p in module.named_parameters(recurse=False)
+        if not (isinstance(styles[name], RowwiseParallel) and pname == "bias")  # a rowwise bias stays whole
+    )
+    return split / total if total else 0.0
