@@ -4,6 +4,7 @@ and compared with one process: outputs, every gradient, parameters after an SGD 
 import copy
 import functools
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -66,24 +67,30 @@ def test_a_hand_written_transformer_gets_a_plan_from_its_dataflow_and_trains_lik
         assert {name: type(plan[f"{block}.{name}"]).__name__ for name in ("to_q", "to_k", "to_v", "merge", "expand", "squeeze")} == {
             "to_q": "ColwiseParallel", "to_k": "ColwiseParallel", "to_v": "ColwiseParallel", "merge": "RowwiseParallel",
             "expand": "ColwiseParallel", "squeeze": "RowwiseParallel"}
-    assert "head" not in plan and plan.reasons["head"] == "the model returns it"
+    assert type(plan["head"]).__name__ == "ColwiseParallel" and plan.reasons["head"].startswith("the output head"), str(plan)
     assert plan.sharded_fraction > 0.5, str(plan)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randn(2, 8, 32), torch.randn(2, 8, 10)) for _ in range(2)]
     assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="derived plan")
 
 
+@pytest.mark.parametrize("variant", [{}, {"qk_norm": True}, {"tie_embeddings": True}], ids=["plain", "qk_norm", "tied"])
 @on_ranks(2)
-def test_the_llamas_derived_plan_covers_its_shipped_plans_linear_layers_and_trains_like_one_process():
-    reference = small_llama(seed=0)
+def test_the_llamas_derived_plan_covers_its_shipped_plans_linear_layers_and_trains_like_one_process(variant):
+    reference = small_llama(seed=0, **variant)
     tokens = torch.randint(0, VOCAB, (2, 8))
     plan = suggest_plan(reference, tp_mesh(), (tokens,))
-    shipped = tensor_parallel_plan()
+    shipped = tensor_parallel_plan(qk_norm=variant.get("qk_norm", False))
     linears = {name for name, m in reference.named_modules() if isinstance(m, nn.Linear)}
     for name in linears:
         style = next((s for pattern, s in shipped.items() if _matches(pattern, name)), None)
-        if style is not None and name != "output":  # the output head: the shipped plan's own layout
+        if style is not None:
             assert type(plan.get(name)).__name__ == type(style).__name__, (name, str(plan))
+    assert type(plan["tok_embeddings"]).__name__ == "RowwiseParallel", str(plan)  # vocabulary-parallel
+    if variant.get("qk_norm"):  # per-head norms: one copy, gradients summed over the heads' ranks
+        assert type(plan["layers.0.attention.q_norm"]).__name__ == "ReplicateParallel", str(plan)
+    if variant.get("tie_embeddings"):
+        assert type(plan["output"]).__name__ == "ColwiseParallel", str(plan)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(2)]
     assert_trains_like(model, reference, batches, _ce, optimizer=SGD, what="derived llama plan")

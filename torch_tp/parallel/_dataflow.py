@@ -21,7 +21,8 @@ view / reshape / unflatten / flatten            the first dim of the group it sp
                                                  dim when it leads the merged group
 transpose / permute / unsqueeze / expand,       follows the dim
 view_as_complex / view_as_real (not the split)
-softmax, slice, select, split, cat, stack        stays, along any other dim
+softmax, slice, select, split, cat, stack,       stays, along any other dim (a norm over the
+mean / sum / amax, rms_norm / layer_norm         last dims: the head's, not the heads')
 scaled_dot_product_attention, matmul / bmm       a batch dim split alike in the operands stays
 linear (as its input)                            the last dim: that linear is the group's
                                                  RowwiseParallel end
@@ -207,6 +208,27 @@ def _stack(node: Node, split: dict[Node, int]) -> int:
     return dim + 1 if at <= dim else dim
 
 
+def _reduction(node: Node, split: dict[Node, int]) -> int:
+    (source, dim), = split.items()
+    ndim = len(_shape(source))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = list(range(ndim)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    reduced = {_dim(int(d), ndim) for d in dims}
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if dim in reduced:
+        raise Stop(f"{node.target} sums over the split dim")
+    return dim if keepdim else dim - sum(d < dim for d in reduced)
+
+
+def _norm(node: Node, split: dict[Node, int]) -> int:
+    (source, dim), = split.items()
+    if source is not node.args[0]:
+        raise Stop(f"{node.target} takes it as a weight")
+    if dim >= len(_shape(source)) - len(node.args[1]):
+        raise Stop(f"{node.target} normalizes over the split features")
+    return dim
+
+
 def _batched(node: Node, split: dict[Node, int]) -> int:
     operands = [a for a in node.args[:3 if "attention" in str(node.target) else 2] if isinstance(a, Node)]
     dims = {split.get(a) for a in operands}
@@ -215,6 +237,12 @@ def _batched(node: Node, split: dict[Node, int]) -> int:
     (dim,) = dims
     if dim >= len(_shape(operands[0])) - 2:
         raise Stop(f"{node.target} contracts or spans the split dim")
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, Node) and mask not in split and "attention" in str(node.target):
+        shape, out = _shape(mask), _shape(node)
+        at = dim - (len(out) - len(shape))
+        if at >= 0 and shape[at] != 1:  # T5's relative position bias: a value per head, whole
+            raise Stop(f"{node.target} adds a mask or bias with a value per head ({tuple(shape)}) that is not split like the heads")
     return dim
 
 
@@ -248,6 +276,8 @@ _RULES: dict[object, Callable[[Node, dict[Node, int]], int]] = {
     aten.select.int: _select,
     aten.cat.default: _cat,
     aten.stack.default: _stack,
+    **dict.fromkeys([aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction], _reduction),
+    **dict.fromkeys([aten.rms_norm.default, aten.layer_norm.default], _norm),
     **dict.fromkeys([aten.scaled_dot_product_attention.default, aten.matmul.default, aten.bmm.default], _batched),
 }
 

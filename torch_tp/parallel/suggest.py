@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 
 from torch_tp.parallel._dataflow import Stop, rule_for
+from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = ["SuggestedPlan", "suggest_plan"]
@@ -49,6 +52,7 @@ class _Group:
     starts: list[str]
     ends: list[str] = dataclasses.field(default_factory=list)
     ops: list[str] = dataclasses.field(default_factory=list)
+    touches: dict[str, int] = dataclasses.field(default_factory=dict)  # module: split dim of its input
     stop: str | None = None
 
 
@@ -103,9 +107,10 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
     program = torch.export.export(model, tuple(example_inputs), strict=False)
     weights = dict(program.graph_signature.inputs_to_parameters)
     linears = {node: _module_of(node, weights) for node in program.graph.nodes if _is_linear(node, weights)}
-    groups = _groups(program.graph, linears, mesh.size())
-    local = _local_outputs_run(model, mesh, example_inputs, _plan(model, linears, groups, local_output=True))
-    return _plan(model, linears, groups, local_output=local)
+    groups = _groups(program.graph, linears, weights, mesh.size())
+    tables = _embeddings(program.graph, weights)
+    plan = functools.partial(_plan, model, linears, groups, tables, mesh.size())
+    return plan(local_output=_local_outputs_run(model, mesh, example_inputs, plan(local_output=True)))
 
 
 def _local_outputs_run(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> bool:
@@ -122,9 +127,17 @@ def _local_outputs_run(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple
         with torch.no_grad():
             want = model(*example_inputs)
             got = parallelize_module(copy.deepcopy(model), mesh, plan)(*example_inputs)
-        return isinstance(got, torch.Tensor) and torch.allclose(_whole(got), want, rtol=1e-4, atol=1e-5)
     except (RuntimeError, ValueError):
         return False
+    got, want = (pytree.tree_leaves(_as_tree(v)) for v in (got, want))
+    return len(got) == len(want) and all(
+        torch.allclose(_whole(g), w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want) if isinstance(w, torch.Tensor)
+    )
+
+
+def _as_tree(value: Any) -> Any:
+    """A model output as a pytree (transformers' ``ModelOutput`` is a dict of its fields)."""
+    return dict(value) if isinstance(value, dict) else value
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
@@ -135,15 +148,20 @@ def _is_linear(node: Node, weights: dict[str, str]) -> bool:
     return node.op == "call_function" and node.target is _LINEAR and getattr(node.args[1], "name", None) in weights
 
 
-def _module_of(node: Node, weights: dict[str, str]) -> str:
-    return weights[node.args[1].name].removesuffix(".weight")
+def _module_of(node: Node, weights: dict[str, str], weight_arg: int = 1) -> str:
+    """The module that ran ``node`` (export's module stack: a tied weight has one name only)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return path.removeprefix("L['self'].").replace("L['self']", "")
+    return weights[node.args[weight_arg].name].removesuffix(".weight")
 
 
 #: Ops that check and return nothing a later op reads: a split value passes them by.
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 
 
-def _groups(graph: torch.fx.Graph, linears: dict[Node, str], ranks: int) -> list[_Group]:
+def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, str], ranks: int) -> list[_Group]:
     """One forward pass over ``graph``: every linear layer's output starts a group; a value
     computed from split values joins their groups (union-find); an op with no rule for the
     split, or a split that does not divide by ``ranks``, stops the groups it touches."""
@@ -158,6 +176,7 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], ranks: int) -> list
     ends: list[tuple[Node, Node]] = []  # (linear reading split features, a start of that group)
     stops: dict[Node, str] = {}
     ops: dict[Node, list[str]] = {}
+    touches: dict[Node, dict[str, int]] = {}  # start: {module whose parameter meets the split: dim}
 
     def stop(starts: list[Node], why: str) -> None:
         for start in starts:
@@ -186,6 +205,8 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], ranks: int) -> list
                 continue
             split[node] = (dim, starts[0])
             ops.setdefault(root(starts[0]), []).append(str(node.target).removeprefix("aten.").split(".")[0])
+            for param in (a for a in _tensor_args(node) if a.name in weights):  # a per-head norm's weight
+                touches.setdefault(starts[0], {})[weights[param.name].rsplit(".", 1)[0]] = next(iter(inputs.values()))[0]
         if node in linears:
             parent[node] = node
             try:
@@ -193,10 +214,10 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], ranks: int) -> list
                 split[node] = (len(_shape(node)) - 1, node)
             except Stop as why:
                 stops[node] = str(why)
-    return _collect(linears, parent, root, ends, stops, ops)
+    return _collect(linears, parent, root, ends, stops, ops, touches)
 
 
-def _collect(linears, parent, root, ends, stops, ops) -> list[_Group]:
+def _collect(linears, parent, root, ends, stops, ops, touches) -> list[_Group]:
     groups: dict[Node, _Group] = {}
     for start in parent:
         group = groups.setdefault(root(start), _Group(starts=[]))
@@ -206,6 +227,9 @@ def _collect(linears, parent, root, ends, stops, ops) -> list[_Group]:
     for key, group in groups.items():
         merged_ops = [op for start in parent if root(start) is key for op in ops.get(start, [])] + ops.get(key, [])
         group.ops = list(dict.fromkeys(merged_ops))
+        for start in parent:
+            if root(start) is key:
+                group.touches.update(touches.get(start, {}))
         group.stop = stops.get(key) or (None if group.ends else "no linear layer reads its output features")
     return _choose(list(groups.values()))
 
@@ -242,31 +266,80 @@ def _choose(groups: list[_Group]) -> list[_Group]:
     return groups
 
 
-def _plan(model: nn.Module, linears: dict[Node, str], groups: list[_Group], *, local_output: bool) -> SuggestedPlan:
+def _embeddings(graph: torch.fx.Graph, weights: dict[str, str]) -> dict[str, int]:
+    """``{embedding module: rows}`` of the tables the model looks tokens up in."""
+    return {
+        _module_of(node, weights, weight_arg=0): _shape(node.args[0])[0]
+        for node in graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default
+        and getattr(node.args[0], "name", None) in weights
+    }
+
+
+_HEAD = "the model returns it"
+
+
+def _plan(
+    model: nn.Module, linears: dict[Node, str], groups: list[_Group], tables: dict[str, int], ranks: int, *, local_output: bool
+) -> SuggestedPlan:
     styles: dict[str, ParallelStyle] = {}
     reasons: dict[str, str] = {}
+    for group in (g for g in groups if g.stop is None):
+        through = ", ".join(group.ops) or "nothing"
+        for start in group.starts:
+            styles[start] = ColwiseParallel(use_local_output=local_output)
+            reasons[start] = f"its output features reach {', '.join(group.ends)} only through {through}"
+        for end in group.ends:
+            styles[end] = RowwiseParallel() if local_output else RowwiseParallel(input_layouts=Shard(-1))
+            reasons[end] = f"its input features come split from {', '.join(group.starts)}"
+        for module, dim in group.touches.items():  # its parameters meet the split: one copy, gradients summed
+            styles[module] = ReplicateParallel(input_layouts=Shard(dim))
+            reasons[module] = f"its parameters meet the split features of {group.starts[0]} (dim {dim}): kept whole, gradients summed"
     for group in groups:
-        if group.stop is None:
-            through = ", ".join(dict.fromkeys(group.ops)) or "nothing"
-            for start in group.starts:
-                styles[start] = ColwiseParallel(use_local_output=local_output)
-                reasons[start] = f"its output features reach {', '.join(group.ends)} only through {through}"
-            for end in group.ends:
-                styles[end] = RowwiseParallel() if local_output else RowwiseParallel(input_layouts=Shard(-1))
-                reasons[end] = f"its input features come split from {', '.join(group.starts)}"
-    for group in groups:
+        (head,) = group.starts if group.stop == _HEAD and not group.ends and len(group.starts) == 1 else (None,)
+        if head is not None and head not in styles:  # the output head: gathered where it is returned
+            styles[head] = ColwiseParallel(output_layouts=Replicate())
+            reasons[head] = "the output head: its split output features are gathered whole, as the model returns them"
         for start in group.starts:
             reasons.setdefault(start, f"{group.stop}")
-    ordered = {name: reasons[name] for name in dict.fromkeys(linears.values()) if name in reasons}
-    return SuggestedPlan(styles, reasons=ordered, sharded_fraction=_sharded_fraction(model, styles))
+    for table, rows in tables.items():
+        if table not in styles and rows % ranks == 0:
+            styles[table] = RowwiseParallel(input_layouts=Replicate())
+            reasons[table] = "vocabulary-parallel embedding: each rank looks up its rows, the sum is the whole lookup"
+        else:
+            reasons.setdefault(table, f"{rows} rows, which {ranks} ranks cannot split evenly")
+    _place_tied_copies(model, styles, reasons)
+    order = list(dict.fromkeys([*tables, *linears.values(), *reasons]))
+    return SuggestedPlan(styles, reasons={n: reasons[n] for n in order if n in reasons},
+                         sharded_fraction=_sharded_fraction(model, styles))
+
+
+def _place_tied_copies(model: nn.Module, styles: dict[str, ParallelStyle], reasons: dict[str, str]) -> None:
+    """A table or head whose weight another module shares (T5's ``shared``, a tied head): that
+    module gets the style that places the weight alike (both ``Shard(0)``), so the tie holds."""
+    modules = dict(model.named_modules())
+    owners: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter) and isinstance(module, (nn.Embedding, nn.Linear)):
+            owners.setdefault(id(weight), []).append(name)
+    for names in owners.values():
+        placed = [n for n in names if n in styles and not isinstance(styles[n], ReplicateParallel)]
+        for name in (n for n in names if n not in styles and placed):
+            if isinstance(modules[name], nn.Embedding):
+                styles[name] = RowwiseParallel(input_layouts=Replicate())
+            else:
+                styles[name] = ColwiseParallel(output_layouts=Replicate())
+            reasons[name] = f"shares its weight with {placed[0]}: placed alike, so the tie holds"
 
 
 def _sharded_fraction(model: nn.Module, styles: dict[str, ParallelStyle]) -> float:
+    """The share of the parameter bytes (a tied weight counted once) that ``styles`` split."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    split = sum(
-        p.numel() * p.element_size()
-        for name, module in model.named_modules() if name in styles
+    split = {
+        id(p): p.numel() * p.element_size()
+        for name, module in model.named_modules() if name in styles and not isinstance(styles[name], ReplicateParallel)
         for pname, p in module.named_parameters(recurse=False)
         if not (isinstance(styles[name], RowwiseParallel) and pname == "bias")  # a rowwise bias stays whole
-    )
-    return split / total if total else 0.0
+    }
+    return sum(split.values()) / total if total else 0.0
