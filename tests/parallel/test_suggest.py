@@ -123,3 +123,14 @@ def test_a_model_without_linear_layers_gets_an_empty_plan_that_says_so():
 def test_the_table_lists_every_linear_layer_with_its_style_and_why():
     plan = SuggestedPlan({}, reasons={"a": "the model returns it"}, sharded_fraction=0.0)
     assert str(plan).splitlines()[2].split() == ["a", "replicated", "the", "model", "returns", "it"]
+
+
+@on_ranks(2)
+def test_verify_plan_takes_the_derived_plan_unchanged():
+    from torch_tp import verify_plan
+
+    x = torch.randn(2, 8, 32)
+    plan = suggest_plan(Stack(), tp_mesh(), (x,))
+    report = verify_plan(Stack, tp_mesh(), plan, lambda step: (torch.randn(2, 8, 32),),
+                         loss_fn=lambda out: out.square().mean(), steps=2)
+    assert report.ok, str(report)
