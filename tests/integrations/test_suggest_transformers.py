@@ -1,4 +1,5 @@
-"""``suggest_plan`` on transformers models that ship no tensor-parallel plan (encoders, T5, ViT),
+"""``suggest_plan`` on transformers models that ship no tensor-parallel plan (BERT, RoBERTa, CLIP's
+text encoder, ViT, T5's encoder),
 built from their configs: the derived plan, applied as it is, trains like one process at 2 ranks
 (outputs, every gradient, parameters after an SGD step)."""
 
@@ -24,6 +25,13 @@ def _build(family):
         config = transformers.BertConfig(vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, **SIZES)
         return transformers.BertModel(config), torch.randint(0, 128, (2, 8))
+    if family == "roberta":
+        config = transformers.RobertaConfig(vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                            attention_probs_dropout_prob=0.0, **SIZES)
+        return transformers.RobertaModel(config), torch.randint(3, 128, (2, 8))
+    if family == "clip_text":
+        config = transformers.CLIPTextConfig(vocab_size=128, max_position_embeddings=64, **SIZES)
+        return transformers.CLIPTextModel(config), torch.randint(0, 128, (2, 8))
     if family == "vit":
         config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_dropout_prob=0.0,
                                         attention_probs_dropout_prob=0.0, **SIZES)
@@ -45,7 +53,7 @@ def _mse(out, target):
     return F.mse_loss(out, target)
 
 
-@pytest.mark.parametrize("family", ["bert", "vit", "t5"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "clip_text", "vit", "t5"])
 @on_ranks(2)
 def test_a_model_that_ships_no_plan_gets_one_from_its_dataflow_and_trains_like_one_process(family):
     from torch_tp.parallel.suggest import suggest_plan
