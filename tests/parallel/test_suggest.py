@@ -134,3 +134,27 @@ def test_verify_plan_takes_the_derived_plan_unchanged():
     report = verify_plan(Stack, tp_mesh(), plan, lambda step: (torch.randn(2, 8, 32),),
                          loss_fn=lambda out: out.square().mean(), steps=2)
     assert report.ok, str(report)
+
+
+class _GlobalViewAndPlainMask(nn.Module):
+    """Heads viewed with the whole model's count (wrong on local slices) and a plain-tensor mask
+    added to the scores (DTensors refuse to meet it): neither form runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, 4, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) + torch.zeros(1, 1, t, t)
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+@on_ranks(2)
+def test_a_plan_that_runs_in_neither_form_is_refused_by_name_on_every_rank():
+    from torch_tp.parallel.suggest import PlanDerivationError
+
+    with pytest.raises(PlanDerivationError, match="on local slices: .*; on DTensors: "):
+        suggest_plan(_GlobalViewAndPlainMask(), tp_mesh(), (torch.randn(2, 8, 16),))

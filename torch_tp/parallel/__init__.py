@@ -20,7 +20,7 @@ from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutp
 from torch_tp.parallel.rules import UnsupportedModuleError
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from torch_tp.parallel.suggest import SuggestedPlan, suggest_plan
+from torch_tp.parallel.suggest import PlanDerivationError, SuggestedPlan, suggest_plan
 from torch_tp.parallel.verify import VerificationReport, verify_plan
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "VerificationReport",
     "suggest_plan",
     "SuggestedPlan",
+    "PlanDerivationError",
     "init_parameters",
     "module_seed",
     "PlanReport",

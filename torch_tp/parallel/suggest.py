@@ -40,9 +40,20 @@ from torch_tp.parallel._dataflow import Stop, rule_for
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["SuggestedPlan", "suggest_plan"]
+__all__ = ["PlanDerivationError", "SuggestedPlan", "suggest_plan"]
 
 _LINEAR = torch.ops.aten.linear.default
+
+
+class PlanDerivationError(RuntimeError):
+    """The derived plan does not give the model's outputs in either form (local slices or
+    DTensors between a group's ends); raised on every rank alike, naming both failures.
+
+    Example::
+
+        >>> issubclass(PlanDerivationError, RuntimeError)
+        True
+    """
 
 
 @dataclasses.dataclass
@@ -110,29 +121,40 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
     groups = _groups(program.graph, linears, weights, mesh.size())
     tables = _embeddings(program.graph, weights)
     plan = functools.partial(_plan, model, linears, groups, tables, mesh.size())
-    return plan(local_output=_local_outputs_run(model, mesh, example_inputs, plan(local_output=True)))
+    failures = []
+    for local_output in (True, False):  # the first form the model's own code runs right
+        candidate = plan(local_output=local_output)
+        failure = _runs_like_the_model(model, mesh, example_inputs, candidate)
+        if failure is None:
+            return candidate
+        failures.append(f"on {'local slices' if local_output else 'DTensors'}: {failure}")
+    raise PlanDerivationError(
+        "torch_tp.suggest_plan: the derived plan's forward does not give the model's outputs "
+        + "; ".join(failures) + ". Pass a plan of your own for the layers named, or report the op"
+    )
 
 
-def _local_outputs_run(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> bool:
-    """Whether the model's own code runs on each rank's local slices (upstream's default
-    outputs: plain tensors, as code that reshapes with ``-1`` expects) and gives its outputs.
-    Otherwise the values between the ends stay DTensors (code that reshapes with the whole
-    model's sizes keeps its meaning), which cannot meet plain tensors such as rotary tables.
-    Every rank runs the same forward on a copy: the answer is the same everywhere."""
+def _runs_like_the_model(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> str | None:
+    """``None`` if ``plan`` applied to a copy of ``model`` gives the model's outputs on the
+    example inputs, else what went wrong. Local slices (upstream's default outputs) suit code
+    that reshapes with ``-1``; DTensors suit code that reshapes with the whole model's sizes but
+    cannot meet plain tensors (rotary tables, masks). Every rank runs the same forward: the
+    answer is the same everywhere."""
     from torch_tp.parallel.api import parallelize_module
 
     if not plan:
-        return True
+        return None
     try:
         with torch.no_grad():
             want = model(*example_inputs)
             got = parallelize_module(copy.deepcopy(model), mesh, plan)(*example_inputs)
-    except (RuntimeError, ValueError):
-        return False
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     got, want = (pytree.tree_leaves(_as_tree(v)) for v in (got, want))
-    return len(got) == len(want) and all(
+    same = len(got) == len(want) and all(
         torch.allclose(_whole(g), w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want) if isinstance(w, torch.Tensor)
     )
+    return None if same else "its outputs differ from the model's"
 
 
 def _as_tree(value: Any) -> Any:
