@@ -71,3 +71,20 @@ def test_a_model_that_ships_no_plan_gets_one_from_its_dataflow_and_trains_like_o
     shape = _Hidden(reference)(example).shape
     batches = [(example, torch.randn(shape)) for _ in range(2)]
     assert_trains_like(_Hidden(model), _Hidden(reference), batches, _mse, optimizer=SGD, rtol=1e-4, atol=1e-5, what=family)
+
+
+@on_ranks(2)
+def test_gpt2s_conv1d_layers_are_listed_as_kept_whole_with_the_reason():
+    from torch_tp.parallel.suggest import PlanDerivationError, suggest_plan
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0))
+    tokens = torch.randint(0, 128, (2, 8))
+    with pytest.raises(PlanDerivationError, match="torch.export could not trace GPT2LMHeadModel .*use_cache=False"):
+        suggest_plan(gpt2, tp_mesh(), (tokens,))  # it returns its KV cache, which export cannot trace
+    gpt2.config.use_cache = False
+    plan = suggest_plan(gpt2, tp_mesh(), (tokens,))
+    assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.attn.c_attn"], str(plan)
+    assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.mlp.c_fc"], str(plan)
+    assert type(plan["lm_head"]).__name__ == "ColwiseParallel" and type(plan["transformer.wte"]).__name__ == "RowwiseParallel"

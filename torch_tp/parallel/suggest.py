@@ -115,7 +115,7 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
     """
     if mesh.ndim != 1:
         raise ValueError(f"torch_tp.suggest_plan: a 1-D mesh is needed, got {mesh.ndim} dims: pass mesh['tp']")
-    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    program = _exported(model, tuple(example_inputs))
     weights = dict(program.graph_signature.inputs_to_parameters)
     linears = {node: _module_of(node, weights) for node in program.graph.nodes if _is_linear(node, weights)}
     groups = _groups(program.graph, linears, weights, mesh.size())
@@ -134,6 +134,17 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
     )
 
 
+def _exported(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, example_inputs, strict=False)
+    except Exception as error:  # noqa: BLE001 - any tracing failure: named, with its first line
+        raise PlanDerivationError(
+            f"torch_tp.suggest_plan: torch.export could not trace {type(model).__name__} on the example inputs "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:300]}). The plan is derived from the traced "
+            "graph: make the forward traceable (e.g. a transformers model with config.use_cache=False), or write a plan"
+        ) from error
+
+
 def _runs_like_the_model(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> str | None:
     """``None`` if ``plan`` applied to a copy of ``model`` gives the model's outputs on the
     example inputs, else what went wrong. Local slices (upstream's default outputs) suit code
@@ -144,12 +155,15 @@ def _runs_like_the_model(model: nn.Module, mesh: DeviceMesh, example_inputs: tup
 
     if not plan:
         return None
+    training = model.training
     try:
-        with torch.no_grad():
-            want = model(*example_inputs)
+        with torch.no_grad():  # in eval mode: dropout would make every run differ
+            want = model.eval()(*example_inputs)
             got = parallelize_module(copy.deepcopy(model), mesh, plan)(*example_inputs)
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    finally:
+        model.train(training)
     got, want = (pytree.tree_leaves(_as_tree(v)) for v in (got, want))
     same = len(got) == len(want) and all(
         torch.allclose(_whole(g), w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want) if isinstance(w, torch.Tensor)
@@ -331,6 +345,7 @@ def _plan(
         else:
             reasons.setdefault(table, f"{rows} rows, which {ranks} ranks cannot split evenly")
     _place_tied_copies(model, styles, reasons)
+    _name_other_weights(model, reasons)
     order = list(dict.fromkeys([*tables, *linears.values(), *reasons]))
     return SuggestedPlan(styles, reasons={n: reasons[n] for n in order if n in reasons},
                          sharded_fraction=_sharded_fraction(model, styles))
@@ -353,6 +368,15 @@ def _place_tied_copies(model: nn.Module, styles: dict[str, ParallelStyle], reaso
             else:
                 styles[name] = ColwiseParallel(output_layouts=Replicate())
             reasons[name] = f"shares its weight with {placed[0]}: placed alike, so the tie holds"
+
+
+def _name_other_weights(model: nn.Module, reasons: dict[str, str]) -> None:
+    """Every other module with a matrix (or larger) weight is listed too, kept whole: GPT-2's
+    ``Conv1D``, a patch embedding's ``Conv2d``. No rule derives them yet."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name not in reasons and isinstance(weight, nn.Parameter) and weight.dim() >= 2:
+            reasons[name] = f"kept whole: no rule derives a {type(module).__name__} yet (only nn.Linear and nn.Embedding)"
 
 
 def _sharded_fraction(model: nn.Module, styles: dict[str, ParallelStyle]) -> float:
