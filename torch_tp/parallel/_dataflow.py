@@ -187,24 +187,25 @@ def _select(node: Node, split: dict[Node, int]) -> int:
     return dim - 1 if along < dim else dim
 
 
-def _cat(node: Node, split: dict[Node, int]) -> int:
+def _joined(node: Node, split: dict[Node, int]) -> tuple[int, int]:
+    """``cat`` / ``stack``: the parts' common split dim and the dim they are joined along."""
     parts = node.args[0]
     dims = {split.get(p) for p in parts}
     if len(dims) != 1 or None in dims:
-        raise Stop("cat joins slices with tensors not split like them")
-    (dim,) = dims
-    if _dim(int(node.args[1]) if len(node.args) > 1 else 0, len(_shape(parts[0]))) == dim:
+        raise Stop(f"{node.target} joins slices with tensors not split like them")
+    added = 1 if node.target is aten.stack.default else 0
+    return dims.pop(), _dim(int(node.args[1]) if len(node.args) > 1 else 0, len(_shape(parts[0])) + added)
+
+
+def _cat(node: Node, split: dict[Node, int]) -> int:
+    dim, along = _joined(node, split)
+    if along == dim:
         raise Stop("cat joins along the split dim")
     return dim
 
 
 def _stack(node: Node, split: dict[Node, int]) -> int:
-    parts = node.args[0]
-    dims = {split.get(p) for p in parts}
-    if len(dims) != 1 or None in dims:
-        raise Stop("stack joins slices with tensors not split like them")
-    (dim,) = dims
-    at = _dim(int(node.args[1]) if len(node.args) > 1 else 0, len(_shape(parts[0])) + 1)
+    dim, at = _joined(node, split)
     return dim + 1 if at <= dim else dim
 
 
