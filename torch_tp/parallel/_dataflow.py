@@ -170,8 +170,8 @@ def _expand(node: Node, split: dict[Node, int]) -> int:
 
 def _along_other_dim(position: int, default: int) -> Callable[[Node, dict[Node, int]], int]:
     def rule(node: Node, split: dict[Node, int]) -> int:
-        (source, dim), = split.items() if len(split) == 1 else [(None, _pointwise(node, split))]
-        ndim = len(_shape(node.args[0])) if isinstance(node.args[0], Node) else len(_shape(node.args[0][0]))
+        dim = _same(node, split) if len(split) == 1 else _pointwise(node, split)
+        ndim = len(_shape(node.args[0]))
         along = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
         if _dim(int(along), ndim) == dim:
             raise Stop(f"{node.target} works along the split dim")
@@ -247,10 +247,6 @@ def _batched(node: Node, split: dict[Node, int]) -> int:
     return dim
 
 
-def _getitem(node: Node, split: dict[Node, int]) -> int:
-    return _same(node, split)
-
-
 _UNARY = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
     aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
@@ -298,8 +294,8 @@ def rule_for(node: Node) -> Callable[[Node, dict[Node, int]], int]:
         ...
         torch_tp.parallel._dataflow.Stop: aten.sum.default has no rule for a split dim (torch_tp.parallel._dataflow)
     """
-    if node.target is operator.getitem:
-        return _getitem
+    if node.target is operator.getitem:  # one output of split / chunk: split like them
+        return _same
     rule = _RULES.get(node.target)
     if rule is None:
         raise Stop(f"{node.target} has no rule for a split dim (torch_tp.parallel._dataflow)")
