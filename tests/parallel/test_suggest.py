@@ -158,3 +158,25 @@ def test_a_plan_that_runs_in_neither_form_is_refused_by_name_on_every_rank():
 
     with pytest.raises(PlanDerivationError, match="on local slices: .*; on DTensors: "):
         suggest_plan(_GlobalViewAndPlainMask(), tp_mesh(), (torch.randn(2, 8, 16),))
+
+
+class _StoppedThenJoined(nn.Module):
+    """``a``'s features are summed whole (its group stops), then ``a`` meets ``b``'s slices: the
+    union of the two groups must stay stopped."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = self.a(x)
+        total = a.sum(-1, keepdim=True)
+        return self.c(self.b(x) * a) + total
+
+
+@on_ranks(2)
+def test_a_group_that_stopped_stops_the_group_it_later_joins():
+    plan = suggest_plan(_StoppedThenJoined(), tp_mesh(), (torch.randn(2, 8, 16),))
+    assert "a" not in plan and "b" not in plan, str(plan)  # (c's own output is returned: an output head)
+    assert "sums over the split dim" in plan.reasons["a"] and "sums over the split dim" in plan.reasons["b"], str(plan)

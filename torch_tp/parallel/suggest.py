@@ -254,19 +254,22 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
 
 
 def _collect(linears, parent, root, ends, stops, ops, touches) -> list[_Group]:
-    groups: dict[Node, _Group] = {}
+    """The groups by their final root. What was noted under a start (its stop, its ops, the
+    modules it touches) belongs to the group the start ended in: a group that stopped and later
+    joined another stops the union."""
+    members: dict[Node, list[Node]] = {}
     for start in parent:
-        group = groups.setdefault(root(start), _Group(starts=[]))
-        group.starts.append(linears[start])
+        members.setdefault(root(start), []).append(start)
+    groups = {key: _Group(starts=[linears[s] for s in starts]) for key, starts in members.items()}
     for end, start in ends:
         groups[root(start)].ends.append(linears[end])
     for key, group in groups.items():
-        merged_ops = [op for start in parent if root(start) is key for op in ops.get(start, [])] + ops.get(key, [])
-        group.ops = list(dict.fromkeys(merged_ops))
-        for start in parent:
-            if root(start) is key:
-                group.touches.update(touches.get(start, {}))
-        group.stop = stops.get(key) or (None if group.ends else "no linear layer reads its output features")
+        starts = members[key]
+        group.ops = list(dict.fromkeys(op for s in starts for op in ops.get(s, [])))
+        for s in starts:
+            group.touches.update(touches.get(s, {}))
+        stopped = [stops[s] for s in starts if s in stops]
+        group.stop = stopped[0] if stopped else None if group.ends else "no linear layer reads its output features"
     return _choose(list(groups.values()))
 
 
