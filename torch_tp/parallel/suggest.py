@@ -274,8 +274,11 @@ def _collect(linears, parent, root, ends, stops, ops, touches) -> list[_Group]:
 
 
 def _tensor_args(node: Node) -> list[Node]:
-    flat = [a for a in node.args if isinstance(a, Node)]
-    flat += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, Node)]
+    """Every value ``node`` reads, positional or keyword (a split value read through a keyword
+    must meet a rule too), lists flattened."""
+    values = [*node.args, *node.kwargs.values()]
+    flat = [a for a in values if isinstance(a, Node)]
+    flat += [x for a in values if isinstance(a, (list, tuple)) for x in a if isinstance(x, Node)]
     return flat
 
 
