@@ -3,7 +3,7 @@
 | op | the DTensor path that reaches it |
 | --- | --- |
 | ``_c10d_functional.all_gather_into_tensor`` | ``redistribute(Shard -> Replicate)``, ``full_tensor()`` |
-| ``_c10d_functional.wait_tensor`` | waiting on the functional collective above |
+| ``_c10d_functional.wait_tensor`` | waiting on the functional collective above (already done) |
 | ``_c10d_functional._wrap_tensor_autograd`` | the async wrapper funcol puts around results |
 | ``c10d.scatter_`` | ``distribute_tensor(..., [Shard(d)], src_data_rank=r)`` |
 | ``c10d.broadcast_`` | ``distribute_tensor(..., [Replicate()], src_data_rank=r)`` |
@@ -11,6 +11,14 @@
 
 Gathering bytes instead of floats is the point: a gathered weight moves
 ``numel`` int8 bytes plus one float32 per row, about a quarter of the float32 traffic.
+
+The all-gather is one collective, waited before it returns: each rank's ``qdata`` and the
+bytes of its ``scale`` travel packed in one int8 buffer, unpacked on arrival. Two functional
+all-gathers in flight at once (``qdata``, then ``scale``, waited later through an
+``AsyncCollectiveTensor``) were the one mechanism every heap-corruption abort of the test
+suite had in common (glibc's ``malloc(): unaligned tcache chunk detected`` in a gloo worker,
+always at or right after an int8 ``full_tensor()``); one waited collective leaves nothing in
+flight past this function.
 """
 
 from __future__ import annotations
@@ -33,21 +41,30 @@ def _int8_all_gather(func, types, args, kwargs):
             f"all-gather along dim 0 of an {type(self).__name__} whose scales broadcast over "
             f"dim 0 (scale {tuple(self.scale.shape)}): shard the untransposed weight instead"
         )
-    qdata = func(self.qdata, group_size, group_name)
-    scale = func(self.scale, group_size, group_name)
-    return self.with_data(qdata, scale)
+    packed = torch.cat([self.qdata.reshape(-1), self.scale.reshape(-1).view(torch.int8)])
+    gathered = funcol.wait_tensor(func(packed, group_size, group_name)).view(group_size, -1)
+    return self.with_data(*_unpacked(gathered, self.qdata.shape, self.scale.shape))
+
+
+def _unpacked(gathered: torch.Tensor, qdata_shape: torch.Size, scale_shape: torch.Size):
+    """``(qdata, scale)`` stacked on dim 0 in rank order, from the ``(ranks, bytes)`` rows that
+    :func:`_int8_all_gather` packed (each row: one rank's ``qdata``, then its ``scale`` bytes)."""
+    ranks, split = gathered.shape[0], qdata_shape.numel()
+    qdata = gathered[:, :split].reshape(ranks * qdata_shape[0], *qdata_shape[1:])
+    scale = gathered[:, split:].contiguous().view(torch.float32)
+    return qdata, scale.reshape(ranks * scale_shape[0], *scale_shape[1:])
 
 
 @implements(funcol.wait_tensor.default)
 def _int8_wait(func, types, args, kwargs):
-    self = args[0]
-    return self.with_data(func(self.qdata), func(self.scale))
+    # The gather above waited already; a wait on its result (funcol's wrapper) is a no-op.
+    return args[0]
 
 
 @implements(funcol._wrap_tensor_autograd.default)
 def _int8_wrap_async(func, types, args, kwargs):
-    # As for plain tensors: wrap the not-yet-waited result; its first use waits on it
-    # (wait_tensor above), so communication can overlap the code in between.
+    # As for plain tensors, funcol wraps the result; it is complete, so its first use waits
+    # on nothing.
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return AsyncCollectiveTensor(args[0])
