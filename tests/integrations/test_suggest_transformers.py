@@ -88,3 +88,83 @@ def test_gpt2s_conv1d_layers_are_listed_as_kept_whole_with_the_reason():
     assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.attn.c_attn"], str(plan)
     assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.mlp.c_fc"], str(plan)
     assert type(plan["lm_head"]).__name__ == "ColwiseParallel" and type(plan["transformer.wte"]).__name__ == "RowwiseParallel"
+
+
+def _decoder(family):
+    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+             "mistral": ("MistralConfig", "MistralForCausalLM")}
+    config_name, model_name = names[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, attention_dropout=0.0, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(tokens).logits
+
+
+def _ce(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@on_ranks(2)
+def test_a_decoder_that_ships_a_plan_gets_a_derived_plan_that_covers_its_linear_layers(family):
+    from torch_tp.integrations.transformers import tp_plan
+    from torch_tp.parallel import match_pattern
+    from torch_tp.parallel.suggest import suggest_plan
+
+    reference = _decoder(family)
+    plan = suggest_plan(reference, tp_mesh(), (torch.randint(0, 128, (2, 8)),))
+    shipped = tp_plan(reference)
+    covered = 0
+    for name, module in reference.named_modules():
+        style = next((s for p, s in shipped.items() if match_pattern(p, [name])), None)
+        if isinstance(module, torch.nn.Linear) and type(style).__name__ in ("ColwiseParallel", "RowwiseParallel"):
+            assert type(plan.get(name)).__name__ == type(style).__name__, (name, str(plan))
+            covered += 1
+    assert covered >= 7 * 2, (covered, str(plan))  # q, k, v, o, gate, up, down in each block
+    if family == "qwen3":  # per-head norms: one copy, gradients summed
+        assert type(plan["model.layers.0.self_attn.q_norm"]).__name__ == "ReplicateParallel", str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8))) for _ in range(2)]
+    assert_trains_like(_Logits(model), _Logits(reference), batches, _ce, optimizer=SGD, rtol=1e-4, atol=1e-5, what=family)
+
+
+@on_ranks(2)
+def test_parallelize_gives_a_model_that_ships_no_plan_its_derived_plan_and_says_so():
+    from torch_tp.integrations.transformers import DerivedPlanWarning, parallelize
+
+    reference, _ = _build("bert")
+    model = copy.deepcopy(reference)
+    with pytest.warns(DerivedPlanWarning, match=r"BertModel ships no tensor-parallel plan .*derived from its dataflow, "
+                                                r"which splits 9\d\.\d% of the parameter bytes"):
+        parallelize(model, tp_mesh())  # its own dummy batch of token ids is the example
+    example = torch.randint(0, 128, (2, 8))
+    batches = [(example, torch.randn(2, 8, 64)) for _ in range(2)]
+    assert_trains_like(_Hidden(model), _Hidden(reference), batches, _mse, optimizer=SGD, rtol=1e-4, atol=1e-5, what="bert")
+
+
+@pytest.mark.parametrize("case", ["no example for pixels", "sequence parallel"])
+@on_ranks(2)
+def test_parallelize_refuses_what_a_derived_plan_cannot_do_yet_by_name(case):
+    from torch_tp.integrations.transformers import parallelize
+
+    if case == "sequence parallel":
+        model, _ = _build("bert")
+        error, match, kwargs = NotImplementedError, "a plan derived from its dataflow has no sequence_parallel yet", \
+            dict(sequence_parallel=True)
+    else:
+        model, _ = _build("vit")
+        error, match, kwargs = ValueError, r"needs an example batch: pass example_inputs=\(a pixel_values batch,\)", {}
+    with pytest.raises(error, match=match):
+        parallelize(model, tp_mesh(), **kwargs)
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())  # untouched

@@ -288,14 +288,21 @@ def test_greedy_generation_with_expert_parallelism_gives_the_single_process_toke
     run_on_ranks(_greedy_generation_with_expert_parallelism, 2, family)
 
 
-def _plans_that_shard_nothing_or_little():
-    from torch_tp.integrations.transformers import parallelize
+def _plans_derived_or_sharding_little():
+    from torch_tp.integrations.transformers import DerivedPlanWarning, parallelize
 
+    torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel ships no tensor-parallel plan .* nothing would be sharded"):
-        parallelize(gpt2, tp_mesh())
-    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in gpt2.parameters())  # untouched
+        n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()
+    reference = copy.deepcopy(gpt2)
+    with pytest.warns(DerivedPlanWarning, match=r"GPT2LMHeadModel ships no tensor-parallel plan .*: using the plan "
+                                                r"torch_tp.suggest_plan derived from its dataflow, which splits \d+\.\d%"):
+        parallelize(gpt2, tp_mesh())  # its Conv1D blocks stay whole, so it also warns that little is split
+    assert isinstance(gpt2.transformer.wte.weight, torch.distributed.tensor.DTensor)  # vocabulary-parallel
+    assert gpt2.config.use_cache  # left as it was (the trace ran without the cache)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    assert_trains_like(_Logits(gpt2), _Logits(reference), [(tokens, None)], lambda out, _: out.square().mean(),
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1), what="gpt2, derived plan")
     config, model_class = _config_and_class("llama")
     config.base_model_tp_plan = {}  # only the embedding and the head left: most bytes whole
     with pytest.warns(UserWarning, match=r"LlamaForCausalLM's plan leaves 8\d% of its parameter bytes whole on every rank"):
@@ -303,8 +310,8 @@ def _plans_that_shard_nothing_or_little():
     return True
 
 
-def test_a_model_without_a_plan_is_refused_and_a_plan_sharding_little_warns():
-    assert run_on_ranks(_plans_that_shard_nothing_or_little, 2) == [True, True]
+def test_a_model_without_a_plan_gets_the_derived_one_and_a_plan_sharding_little_warns():
+    assert run_on_ranks(_plans_derived_or_sharding_little, 2) == [True, True]
 
 
 def _saved_and_loaded_back(family, directory):

@@ -7,7 +7,9 @@ Every transformers model class carries a tensor-parallel plan in transformers' o
 torch_tp plan (see :data:`STYLES` for the vocabulary) and :func:`parallelize` applies it with
 what the model needs around it: the attention modules declare their heads as whole units
 (so a head count the mesh cannot split is refused before anything changes), and a tied
-``lm_head`` / ``embed_tokens`` pair, sharded alike, stays one Parameter. transformers is
+``lm_head`` / ``embed_tokens`` pair, sharded alike, stays one Parameter. A model that ships no
+plan (GPT-2, BERT and the other encoders, ViT) gets the plan :func:`torch_tp.suggest_plan`
+derives from its dataflow, with a :class:`DerivedPlanWarning` that says so. transformers is
 imported by the caller, never by torch_tp.
 
 Example::
@@ -21,8 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,8 +39,9 @@ from torch_tp.parallel.plan import match_pattern
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch_tp.parallel.suggest import suggest_plan
 
-__all__ = ["STYLES", "EXPERT_STYLES", "tp_plan", "parallelize"]
+__all__ = ["STYLES", "EXPERT_STYLES", "DerivedPlanWarning", "tp_plan", "parallelize"]
 
 _SEQ = Shard(1)
 
@@ -284,6 +289,17 @@ def _declare_heads(model: nn.Module) -> None:
         module.tensor_parallel_units = units
 
 
+class DerivedPlanWarning(UserWarning):
+    """:func:`parallelize` applied the plan :func:`torch_tp.suggest_plan` derived, as the model
+    ships none; the message gives the share of parameter bytes it splits.
+
+    Example::
+
+        >>> issubclass(DerivedPlanWarning, UserWarning)
+        True
+    """
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -292,12 +308,19 @@ def parallelize(
     vocab_parallel_loss: bool = False,
     experts: str | None = "tensor",
     src_data_rank: int | None = 0,
+    example_inputs: tuple[Any, ...] | None = None,
 ) -> nn.Module:
     """``parallelize_module(model, mesh, tp_plan(model, ...))`` plus what the model needs around it.
 
-    A model whose config ships no plan for the modules it builds (GPT-2) raises ``ValueError``
-    rather than coming back unchanged; a plan that leaves more than half the parameter bytes
-    whole on every rank warns, naming the share and the largest whole modules.
+    A model whose config ships no plan for the modules it builds (GPT-2, BERT, ViT) gets the plan
+    :func:`torch_tp.suggest_plan` derives from its dataflow on ``example_inputs`` (default: the
+    model's own ``dummy_inputs`` for its main input, token ids for text models), with a
+    :class:`DerivedPlanWarning` naming the share of bytes it splits; ``print(suggest_plan(model,
+    mesh, example_inputs))`` lists it module by module. A derived plan has no sequence
+    parallelism or vocabulary-parallel loss yet (``NotImplementedError`` for those), and one that
+    splits nothing raises ``ValueError`` rather than returning the model unchanged. A plan that
+    leaves more than half the parameter bytes whole on every rank warns, naming the share and
+    the largest whole modules.
     ``model.save_pretrained(dir)``, called on every rank, writes the whole tensors (rank 0
     writes), so ``from_pretrained(dir)`` loads the single-process model.
     The attention modules declare their heads as whole units (a head count the mesh cannot
@@ -314,7 +337,9 @@ def parallelize(
     """
     _declare_heads(model)
     plan = tp_plan(model, sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss, experts=experts)
-    _require_a_sharding_plan(model, plan)
+    if not _shards_anything(plan):
+        plan = _derived_plan(model, mesh, example_inputs, sequence_parallel=sequence_parallel,
+                             vocab_parallel_loss=vocab_parallel_loss)
     parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)
     _warn_if_mostly_replicated(model)
     _save_whole_tensors(model)
@@ -358,18 +383,59 @@ MOSTLY_REPLICATED = 0.5
 _ONLY_MOVE_ACTIVATIONS = (PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel)
 
 
-def _require_a_sharding_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
-    """A model whose config ships no tensor-parallel plan would come back unchanged: refuse it."""
-    if any(not isinstance(style, _ONLY_MOVE_ACTIVATIONS) for style in plan.values()):
-        return
-    shipped = getattr(model.config, "base_model_tp_plan", None)
-    raise ValueError(
-        f"torch_tp.integrations.transformers.parallelize: {type(model).__name__} ships no tensor-parallel "
-        f"plan for the modules it builds (config.base_model_tp_plan is {shipped!r}, and no _tp_plan entry "
-        f"matches), so nothing would be sharded. Write a plan for torch_tp.parallelize_module "
-        f"(docs/plans_and_styles.md: ColwiseParallel on the attention and MLP input projections, "
-        f"RowwiseParallel on their output projections), and check it with torch_tp.verify_plan"
+def _shards_anything(plan: dict[str, ParallelStyle]) -> bool:
+    return any(not isinstance(style, _ONLY_MOVE_ACTIVATIONS) for style in plan.values())
+
+
+def _derived_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] | None, *,
+                  sequence_parallel: bool, vocab_parallel_loss: bool) -> dict[str, ParallelStyle]:
+    """The plan :func:`suggest_plan` derives for a model that ships none, announced by a warning."""
+    name, shipped = type(model).__name__, getattr(model.config, "base_model_tp_plan", None)
+    where = f"torch_tp.integrations.transformers.parallelize: {name} ships no tensor-parallel plan for the modules it builds"
+    for flag, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel_loss", vocab_parallel_loss)):
+        if value:
+            raise NotImplementedError(f"{where}, and a plan derived from its dataflow has no {flag} yet: "
+                                      f"pass {flag}=False, or write a plan for torch_tp.parallelize_module")
+    with _without_cache(model):  # a returned KV cache is not traceable; the derived plan is the same
+        plan = suggest_plan(model, mesh, _example_inputs(model, example_inputs, where))
+    if not _shards_anything(plan):
+        raise ValueError(
+            f"{where} (config.base_model_tp_plan is {shipped!r}, and no _tp_plan entry matches), and none derived "
+            f"from its dataflow splits anything, so nothing would be sharded:\n{plan}\nWrite a plan for "
+            f"torch_tp.parallelize_module (docs/plans_and_styles.md), and check it with torch_tp.verify_plan"
+        )
+    warnings.warn(
+        f"{where}: using the plan torch_tp.suggest_plan derived from its dataflow, which splits "
+        f"{plan.sharded_fraction:.1%} of the parameter bytes (print(torch_tp.suggest_plan(model, mesh, example_inputs)) "
+        f"lists it module by module, with why)",
+        DerivedPlanWarning, stacklevel=3,
     )
+    return plan
+
+
+def _example_inputs(model: nn.Module, given: tuple[Any, ...] | None, where: str) -> tuple[Any, ...]:
+    """``given``, else the model's own dummy batch for its main input (token ids for text models)."""
+    if given is not None:
+        return tuple(given)
+    dummy = getattr(model, "dummy_inputs", None) or {}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in dummy:
+        raise ValueError(f"{where}, and the plan derived from its dataflow needs an example batch: pass "
+                         f"example_inputs=(a {main} batch,) (the model has no dummy {main})")
+    return (dummy[main],)
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    config = model.config
+    saved = getattr(config, "use_cache", None)
+    if saved:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if saved:
+            config.use_cache = saved
 
 
 def _warn_if_mostly_replicated(model: nn.Module) -> None:

@@ -21,8 +21,12 @@ view / reshape / unflatten / flatten            the first dim of the group it sp
                                                  dim when it leads the merged group
 transpose / permute / unsqueeze / expand,       follows the dim
 view_as_complex / view_as_real (not the split)
-softmax, slice, select, split, cat, stack,       stays, along any other dim (a norm over the
+softmax, slice, select, cat, stack,              stays, along any other dim (a norm over the
 mean / sum / amax, rms_norm / layer_norm         last dims: the head's, not the heads')
+split / split_with_sizes / chunk                 stays, along any other dim; along the split dim
+                                                 into equal parts: each part keeps it, and the
+                                                 layer is a fused projection of that many parts
+                                                 (``Packed``: ``ColwiseParallel(packed=k)``)
 scaled_dot_product_attention, matmul / bmm       a batch dim split alike in the operands stays
 linear (as its input)                            the last dim: that linear is the group's
                                                  RowwiseParallel end
@@ -37,7 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import Node
 
-__all__ = ["Split", "Stop", "rule_for"]
+__all__ = ["Packed", "Split", "Stop", "rule_for"]
 
 aten = torch.ops.aten
 
@@ -48,6 +52,25 @@ class Stop(Exception):
 
 #: ``Split(dim)``: the output's dim that holds each rank's slice.
 Split = int
+
+
+class Packed(int):
+    """The split dim of a ``split`` / ``chunk`` that cut it into ``parts`` equal parts: each part
+    holds a slice of its own, so the layer the features came from is a fused projection
+    (``[q; k; v]``), sharded part by part.
+
+    Example::
+
+        >>> Packed(2, parts=3), Packed(2, parts=3).parts
+        (2, 3)
+    """
+
+    parts: int
+
+    def __new__(cls, dim: int, *, parts: int) -> "Packed":
+        packed = super().__new__(cls, dim)
+        packed.parts = parts
+        return packed
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -179,6 +202,30 @@ def _along_other_dim(position: int, default: int) -> Callable[[Node, dict[Node, 
     return rule
 
 
+def _split(node: Node, split: dict[Node, int]) -> int:
+    """``split`` / ``split_with_sizes`` / ``chunk``: along another dim the slice stays; along the
+    split dim only into equal parts (a fused projection's parts), each holding its own slice."""
+    (source, dim), = split.items()
+    size = _shape(source)[dim]
+    along = _dim(int(node.args[2]) if len(node.args) > 2 else int(node.kwargs.get("dim", 0)), len(_shape(source)))
+    if along != dim:
+        return dim
+    sizes = _part_sizes(node, size)
+    if len(sizes) < 2 or len(set(sizes)) != 1:
+        raise Stop(f"{node.target} cuts the split dim into parts of sizes {sizes}, not equal parts of a fused projection")
+    return Packed(dim, parts=len(sizes))
+
+
+def _part_sizes(node: Node, size: int) -> list[int]:
+    if node.target is aten.split_with_sizes.default:
+        return [int(s) for s in node.args[1]]
+    if node.target is aten.chunk.default:
+        chunks = int(node.args[1])
+        return [size // chunks] * chunks if size % chunks == 0 else [size]
+    step = int(node.args[1])
+    return [step] * (size // step) + ([size % step] if size % step else [])
+
+
 def _select(node: Node, split: dict[Node, int]) -> int:
     (source, dim), = split.items()
     along = _dim(int(node.args[1]), len(_shape(source)))
@@ -268,7 +315,7 @@ _RULES: dict[object, Callable[[Node, dict[Node, int]], int]] = {
     aten.unsqueeze.default: _unsqueeze,
     aten.expand.default: _expand,
     **dict.fromkeys([aten.softmax.int, aten._softmax.default, aten.log_softmax.int], _along_other_dim(1, -1)),
-    **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _along_other_dim(2, 0)),
+    **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split),
     aten.slice.Tensor: _along_other_dim(1, 0),
     aten.select.int: _select,
     aten.cat.default: _cat,

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 
-from torch_tp.parallel._dataflow import Stop, rule_for
+from torch_tp.parallel._dataflow import Packed, Stop, rule_for
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -64,6 +64,7 @@ class _Group:
     ends: list[str] = dataclasses.field(default_factory=list)
     ops: list[str] = dataclasses.field(default_factory=list)
     touches: dict[str, int] = dataclasses.field(default_factory=dict)  # module: split dim of its input
+    packed: dict[str, int] = dataclasses.field(default_factory=dict)  # start: parts of its fused output
     stop: str | None = None
 
 
@@ -213,6 +214,7 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
     stops: dict[Node, str] = {}
     ops: dict[Node, list[str]] = {}
     touches: dict[Node, dict[str, int]] = {}  # start: {module whose parameter meets the split: dim}
+    packed: dict[Node, int] = {}  # start: the parts its fused output is split into
 
     def stop(starts: list[Node], why: str) -> None:
         for start in starts:
@@ -236,6 +238,9 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
             try:
                 dim = rule_for(node)(node, {a: d for a, (d, _) in inputs.items()})
                 _require_divisible(node, dim, ranks)
+                if isinstance(dim, Packed):
+                    _note_parts(node, dim, inputs, linears, packed, ranks)
+                    dim = int(dim)  # each part: split as any value
             except Stop as why:
                 stop(starts, str(why))
                 continue
@@ -250,10 +255,24 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
                 split[node] = (len(_shape(node)) - 1, node)
             except Stop as why:
                 stops[node] = str(why)
-    return _collect(linears, parent, root, ends, stops, ops, touches)
+    return _collect(linears, parent, root, ends, stops, ops, touches, packed)
 
 
-def _collect(linears, parent, root, ends, stops, ops, touches) -> list[_Group]:
+def _note_parts(node: Node, dim: Packed, inputs: dict[Node, tuple[int, Node]], linears: dict[Node, str],
+                packed: dict[Node, int], ranks: int) -> None:
+    """A split into equal parts is a fused projection's (``[q; k; v]``) only if it cuts the very
+    features of one linear layer, once; each part must divide by ``ranks``."""
+    (source, (_, start)), = inputs.items()
+    features = _shape(start)[-1]
+    if _shape(source)[dim] != features or start in packed:
+        raise Stop(f"{node.target} cuts a split dim that is not {linears[start]}'s output features, once")
+    if (features // dim.parts) % ranks:
+        raise Stop(f"{node.target} cuts {features} features into {dim.parts} parts of {features // dim.parts}, "
+                   f"which {ranks} ranks cannot split evenly")
+    packed[start] = dim.parts
+
+
+def _collect(linears, parent, root, ends, stops, ops, touches, packed) -> list[_Group]:
     """The groups by their final root. What was noted under a start (its stop, its ops, the
     modules it touches) belongs to the group the start ended in: a group that stopped and later
     joined another stops the union."""
@@ -268,6 +287,8 @@ def _collect(linears, parent, root, ends, stops, ops, touches) -> list[_Group]:
         group.ops = list(dict.fromkeys(op for s in starts for op in ops.get(s, [])))
         for s in starts:
             group.touches.update(touches.get(s, {}))
+            if s in packed:
+                group.packed[linears[s]] = packed[s]
         stopped = [stops[s] for s in starts if s in stops]
         group.stop = stopped[0] if stopped else None if group.ends else "no linear layer reads its output features"
     return _choose(list(groups.values()))
@@ -329,8 +350,10 @@ def _plan(
     for group in (g for g in groups if g.stop is None):
         through = ", ".join(group.ops) or "nothing"
         for start in group.starts:
-            styles[start] = ColwiseParallel(use_local_output=local_output)
-            reasons[start] = f"its output features reach {', '.join(group.ends)} only through {through}"
+            parts = group.packed.get(start, 1)
+            styles[start] = ColwiseParallel(use_local_output=local_output, packed=parts)
+            fused = f" (a fused projection of {parts} parts, split part by part)" if parts > 1 else ""
+            reasons[start] = f"its output features{fused} reach {', '.join(group.ends)} only through {through}"
         for end in group.ends:
             styles[end] = RowwiseParallel() if local_output else RowwiseParallel(input_layouts=Shard(-1))
             reasons[end] = f"its input features come split from {', '.join(group.starts)}"
