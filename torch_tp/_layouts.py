@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._agreement import Fact, check_on_every_rank
@@ -191,9 +192,13 @@ class _LocalShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        # The gradient's own strides, not the output's: a gradient that arrives transposed (the
+        # output was transposed after this layer, an MLP-Mixer's token MLP) labelled with the
+        # output's contiguous strides breaks the next view in the layer's backward.
         spec = ctx.spec
+        _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
         return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
+                                  stride=tuple(stride))
 
 
 def replace_forward(module: torch.nn.Module, forward, **bound) -> None:

@@ -378,3 +378,25 @@ def test_in_place_ops_on_a_rowwise_output_train_like_one_process():
     batches = ((torch.randn(3, 8), torch.randn(3, 8)) for _ in range(2))
     assert_trains_like(model, reference, batches, lambda out, target: (out - target).square().mean(),
                        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+class _TokenMlp(nn.Module):
+    """An MLP over the transposed tokens (an MLP-Mixer's token mixing): its Rowwise output is
+    transposed back, so the gradient reaches the layer's local output transposed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x.transpose(1, 2)))).transpose(1, 2)
+
+
+@on_ranks(2)
+def test_a_gradient_that_arrives_transposed_at_a_local_output_trains_like_one_process():
+    reference = _TokenMlp()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    batches = [(torch.randn(2, 8, 4), torch.randn(2, 8, 4)) for _ in range(2)]
+    assert_trains_like(model, reference, batches, lambda out, target: (out - target).square().mean(),
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1), what="token mlp")

@@ -107,6 +107,18 @@ def test_redistribute_shard_to_replicate_moves_int8_bytes_not_floats():
     assert ratio <= 0.27, ratio  # int8 (0.25x) + one float32 scale per 256-wide row
 
 
+@on_ranks(2)
+def test_an_int8_gather_leaves_no_collective_in_flight():
+    # Two functional all-gathers in flight at once over gloo corrupt the heap in torch 2.13
+    # (glibc: "malloc(): unaligned tcache chunk detected"; tests/gloo_gathers_in_flight.py shows
+    # it without torch_tp). The int8 gather was two (qdata, scale); it is one, waited.
+    q = Int8SymmetricTensor.from_hp(torch.randn(8, 16))
+    gathered = distribute_tensor(q, tp_mesh(), [Shard(0)]).redistribute(tp_mesh(), [Replicate()], async_op=True)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    local = gathered.to_local()
+    torch.testing.assert_close(local.wait().dequantize(), q.dequantize(), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ the TP styles on quantized modules
 
 

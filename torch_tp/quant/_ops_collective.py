@@ -13,11 +13,12 @@ Gathering bytes instead of floats is the point: a gathered weight moves
 ``numel`` int8 bytes plus one float32 per row, about a quarter of the float32 traffic.
 
 The all-gather is one collective, waited before it returns: each rank's ``qdata`` and the
-bytes of its ``scale`` travel packed in one int8 buffer, unpacked on arrival. Two functional
-all-gathers in flight at once (``qdata``, then ``scale``, waited later through an
-``AsyncCollectiveTensor``) were the one mechanism every heap-corruption abort of the test
-suite had in common (glibc's ``malloc(): unaligned tcache chunk detected`` in a gloo worker,
-always at or right after an int8 ``full_tensor()``); one waited collective leaves nothing in
+bytes of its ``scale`` travel packed in one int8 buffer, unpacked on arrival. In torch 2.13,
+two functional all-gathers in flight at once over gloo corrupt the heap (glibc's ``malloc():
+unaligned tcache chunk detected``, or SIGSEGV, within seconds of back-to-back gathers;
+``tests/gloo_gathers_in_flight.py`` shows it without torch_tp), and the int8 gather used to be
+two of them (``qdata``, then ``scale``, waited later through an ``AsyncCollectiveTensor``):
+the suite's rare aborts at an int8 ``full_tensor()``. One waited collective leaves nothing in
 flight past this function.
 """
 
