@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -245,7 +246,8 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
                 stop(starts, str(why))
                 continue
             split[node] = (dim, starts[0])
-            ops.setdefault(root(starts[0]), []).append(str(node.target).removeprefix("aten.").split(".")[0])
+            if node.target is not operator.getitem:  # one output of a split: not an op of its own
+                ops.setdefault(root(starts[0]), []).append(str(node.target).removeprefix("aten.").split(".")[0])
             for param in (a for a in _tensor_args(node) if a.name in weights):  # a per-head norm's weight
                 touches.setdefault(starts[0], {})[weights[param.name].rsplit(".", 1)[0]] = next(iter(inputs.values()))[0]
         if node in linears:
