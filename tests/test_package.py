@@ -27,6 +27,7 @@ PUBLIC_MODULES = [
     "torch_tp.models.llama",
     "torch_tp.models.moe",
     "torch_tp.models.cnn",
+    "torch_tp.models.mixer",
     "torch_tp.testing",
     "torch_tp.launch",
     "torch_tp.loss",

@@ -244,40 +244,12 @@ def test_example_inputs_the_model_cannot_take_raise_a_named_error():
         suggest_plan(Stack(), tp_mesh(), (torch.randn(2, 8, 7),))  # 7 features where the model takes 32
 
 
-class MixerBlock(nn.Module):
-    """An MLP-Mixer block (timm's layout): a token-mixing MLP over the transposed patches, then a
-    channel-mixing MLP, each behind a LayerNorm and a residual."""
-
-    def __init__(self, tokens=16, dim=32, token_hidden=32, channel_hidden=64):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.token_fc1, self.token_fc2 = nn.Linear(tokens, token_hidden), nn.Linear(token_hidden, tokens)
-        self.channel_fc1, self.channel_fc2 = nn.Linear(dim, channel_hidden), nn.Linear(channel_hidden, dim)
-
-    def forward(self, x):
-        mixed = self.token_fc2(F.gelu(self.token_fc1(self.norm1(x).transpose(1, 2)))).transpose(1, 2)
-        x = x + mixed
-        return x + self.channel_fc2(F.gelu(self.channel_fc1(self.norm2(x))))
-
-
-class MlpMixer(nn.Module):
-    """Patches from a strided convolution, two Mixer blocks, mean over the patches, a classifier."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.stem = nn.Conv2d(3, 32, kernel_size=4, stride=4)
-        self.blocks = nn.Sequential(MixerBlock(), MixerBlock())
-        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 10)
-
-    def forward(self, images):
-        x = self.stem(images).flatten(2).transpose(1, 2)  # (batch, 16 patches, 32)
-        return self.head(self.norm(self.blocks(x)).mean(1))
-
-
 @on_ranks(2)
 def test_an_mlp_mixer_splits_its_token_and_channel_mlps_and_trains_like_one_process():
-    reference = MlpMixer()
+    from torch_tp.models.mixer import mlp_mixer
+
+    torch.manual_seed(0)
+    reference = mlp_mixer()
     plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 3, 16, 16),))
     for block in ("blocks.0", "blocks.1"):
         for first, second in (("token_fc1", "token_fc2"), ("channel_fc1", "channel_fc2")):
