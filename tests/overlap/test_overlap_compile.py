@@ -2,7 +2,7 @@
 
 Four variants (float32 / int8 weights x ``overlap`` off / on), each compiled with the
 ``inductor`` CPU backend on 2 gloo ranks. Compiled forward output and every gradient after
-backward must equal eager's (1e-5), and ``torch._dynamo.explain`` must see one graph and no
+backward must equal eager's (1e-5), and dynamo's counters of the compile must see one graph and no
 graph break (``fullgraph=True`` would also fail on a break). The compiled model runs as many
 P2P ring steps as eager, forward and backward. The fused ops appear in the graphs inductor
 lowers as single ``torch_tp`` custom-op nodes (checked on the forward and backward graphs after
@@ -65,7 +65,10 @@ def _custom_op_nodes(graphs):
 
 
 def _compiled_matches_eager(quantized, overlap):
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     eager = _model(quantized, overlap)
     compiled_model = copy.deepcopy(eager)
     tokens = torch.randint(0, VOCAB, (2, 8))
@@ -84,10 +87,9 @@ def _compiled_matches_eager(quantized, overlap):
     assert compiled_sends == eager_sends, (compiled_sends, eager_sends)
 
     assert len(graphs) == 2, graphs  # one forward, one backward
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(eager)(tokens)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    assert explained.graph_count == 1
+    # fullgraph=True raises at a graph break; the compile's own counters say it once more
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     return _custom_op_nodes(graphs)
 
 
