@@ -16,8 +16,8 @@ own), and, when transformers is installed, BERT (no plan) and Qwen3 (a shipped p
 from their configs. Columns (rank 0's wall times; a barrier before each step):
 
 ``plan``          derived, shipped or replicated.
-``bytes split``   the share of the parameter bytes the plan shards (``SuggestedPlan.sharded_fraction``
-                  for the derived plan, counted the same way for the shipped one).
+``bytes split``   the share of the parameter bytes that are sharded DTensors once the plan is
+                  applied (read off the parallel model, for every plan alike).
 ``derive ms``     the time ``suggest_plan`` took (export, the rules, the probe forward).
 ``step ms``       median of a training step.
 ``vs replicated`` replicated step time / this row's (above 1: faster than computing it all).
@@ -28,11 +28,11 @@ from their configs. Columns (rank 0's wall times; a barrier before each step):
 from __future__ import annotations
 
 import copy
+import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,16 +49,9 @@ from torch_tp.parallel import match_pattern
 
 # _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _driver import markdown_table, parse_arguments, report_header, run_world, world_sizes  # noqa: E402
+from _driver import RunConfig, markdown_table, parse_arguments, report_header, run_world, world_sizes  # noqa: E402
 
 COLUMNS = ("model", "plan", "bytes split", "derive ms", "step ms", "vs replicated", "same layers")
-
-
-@dataclass(frozen=True)
-class Config:
-    iters: int
-    warmup: int
-    result_path: str = ""
 
 
 class _Output(nn.Module):
@@ -107,7 +100,7 @@ def _split_share(model: nn.Module) -> float:
     return split / total
 
 
-def _step_ms(model: nn.Module, batch: torch.Tensor, config: Config) -> float:
+def _step_ms(model: nn.Module, batch: torch.Tensor, config: RunConfig) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     for step in range(config.warmup + config.iters):
@@ -129,7 +122,7 @@ def _same_layers(reference: nn.Module, derived: dict, shipped: dict) -> str:
     return f"{'yes' if same else 'NO'} ({len(pairs)} layers)"
 
 
-def rank_main(config: Config) -> None:
+def rank_main(config: RunConfig) -> None:
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     rows = []
     for name, reference, batch, shipped in _models():
@@ -149,8 +142,6 @@ def rank_main(config: Config) -> None:
                          "vs replicated": f"{replicated_ms / ms:.2f}",
                          "same layers": _same_layers(reference, derived, shipped) if kind == "shipped" else ""})
     if dist.get_rank() == 0:
-        import json
-
         with open(config.result_path, "w") as f:
             json.dump(rows, f)
 
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_arguments(argv, __file__, __doc__, iters=(20, 3), warmup=(3, 1), what="plan",
                               quick="3 timed steps per row")
     nproc = world_sizes("2")[0]
-    rows = run_world(rank_main, nproc, Config(iters=options.iters, warmup=options.warmup))
+    rows = run_world(rank_main, nproc, RunConfig(iters=options.iters, warmup=options.warmup))
     if not rows:
         return
     print(report_header(options, ranks=f"{nproc} ranks"))
