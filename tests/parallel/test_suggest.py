@@ -260,3 +260,28 @@ def test_an_mlp_mixer_splits_its_token_and_channel_mlps_and_trains_like_one_proc
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randn(2, 3, 16, 16), torch.randn(2, 10)) for _ in range(2)]
     assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="mlp-mixer")
+
+
+class _FusedReadWhole(nn.Module):
+    """A projection cut into two equal parts (a gate and a value) whose whole output a second
+    layer also reads: that layer would read the packed layout as one slice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.down, self.side = nn.Linear(16, 32), nn.Linear(16, 16), nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = self.proj(x)
+        gate, value = y.chunk(2, dim=-1)
+        return self.down(F.silu(gate) * value) + self.side(y)
+
+
+@on_ranks(2)
+def test_a_fused_output_also_read_whole_stays_whole_with_the_reason():
+    reference = _FusedReadWhole()
+    plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 8, 16),))
+    assert "proj" not in plan and "read whole before" in plan.reasons["proj"], str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randn(2, 8, 16), torch.randn(2, 8, 16))]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="fused output read whole")

@@ -263,15 +263,30 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
 def _note_parts(node: Node, dim: Packed, inputs: dict[Node, tuple[int, Node]], linears: dict[Node, str],
                 packed: dict[Node, int], ranks: int) -> None:
     """A split into equal parts is a fused projection's (``[q; k; v]``) only if it cuts the very
-    features of one linear layer, once; each part must divide by ``ranks``."""
+    features of one linear layer, once, and nothing else reads them before the cut (that would
+    read the packed layout, each rank's slice of every part, as one slice); each part must
+    divide by ``ranks``."""
     (source, (_, start)), = inputs.items()
     features = _shape(start)[-1]
     if _shape(source)[dim] != features or start in packed:
         raise Stop(f"{node.target} cuts a split dim that is not {linears[start]}'s output features, once")
+    if not _only_path(start, source):
+        raise Stop(f"{linears[start]}'s fused output features are read whole before {node.target} cuts them into parts")
     if (features // dim.parts) % ranks:
         raise Stop(f"{node.target} cuts {features} features into {dim.parts} parts of {features // dim.parts}, "
                    f"which {ranks} ranks cannot split evenly")
     packed[start] = dim.parts
+
+
+def _only_path(start: Node, value: Node) -> bool:
+    """Whether ``value`` is ``start`` or follows from it through ops each of which (``start``
+    included) has that one user: no other op sees the values in between."""
+    while value is not start:
+        args = _tensor_args(value)
+        if len(args) != 1 or len(args[0].users) != 1:
+            return False
+        value = args[0]
+    return len(start.users) == 1
 
 
 def _collect(linears, parent, root, ends, stops, ops, touches, packed) -> list[_Group]:
