@@ -1,5 +1,5 @@
 """``suggest_plan`` on transformers models that ship no tensor-parallel plan (BERT, RoBERTa, CLIP's
-text encoder, ViT, T5's encoder),
+text encoder, ViT, T5's encoder, GPT-2 and its ``Conv1D``),
 built from their configs: the derived plan, applied as it is, trains like one process at 2 ranks
 (outputs, every gradient, parameters after an SGD step)."""
 
@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import parallelize_module
-from torch_tp.testing import assert_trains_like, on_ranks, tp_mesh
+from torch_tp.testing import assert_trains_like, block_linear_fraction, on_ranks, tp_mesh
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,20 +75,55 @@ def test_a_model_that_ships_no_plan_gets_one_from_its_dataflow_and_trains_like_o
 
 
 @on_ranks(2)
-def test_gpt2s_conv1d_layers_are_listed_as_kept_whole_with_the_reason():
+def test_gpt2s_conv1d_mlps_are_split_its_attention_sized_by_the_whole_model_kept_whole_and_it_trains_like_one_process():
     from torch_tp.parallel.suggest import PlanDerivationError, suggest_plan
 
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0))
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     tokens = torch.randint(0, 128, (2, 8))
     with pytest.raises(PlanDerivationError, match="torch.export could not trace GPT2LMHeadModel .*use_cache=False"):
-        suggest_plan(gpt2, tp_mesh(), (tokens,))  # it returns its KV cache, which export cannot trace
-    gpt2.config.use_cache = False
-    plan = suggest_plan(gpt2, tp_mesh(), (tokens,))
-    assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.attn.c_attn"], str(plan)
-    assert "no rule derives a Conv1D yet" in plan.reasons["transformer.h.0.mlp.c_fc"], str(plan)
+        suggest_plan(reference, tp_mesh(), (tokens,))  # it returns its KV cache, which export cannot trace
+    reference.config.use_cache = False
+    plan = suggest_plan(reference, tp_mesh(), (tokens,))
+    for block in ("transformer.h.0", "transformer.h.1"):  # Conv1D: weights stored (in, out)
+        assert type(plan[f"{block}.mlp.c_fc"]).__name__ == "ColwiseParallel", str(plan)
+        assert type(plan[f"{block}.mlp.c_proj"]).__name__ == "RowwiseParallel", str(plan)
+        for layer in ("c_attn", "c_proj"):  # cut with split(embed_dim): the whole model's size
+            why = plan.reasons[f"{block}.attn.{layer}"]
+            assert f"{block}.attn.{layer}" not in plan and "GPT2Attention's forward does not run on each rank's slice" in why, why
     assert type(plan["lm_head"]).__name__ == "ColwiseParallel" and type(plan["transformer.wte"]).__name__ == "RowwiseParallel"
+    assert block_linear_fraction(reference, plan, "transformer.h.") > 0.5, str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    assert model.transformer.h[0].mlp.c_fc.weight.placements == (Shard(1),)  # (in, out): out is dim 1
+    batches = [(torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8))) for _ in range(2)]
+    assert_trains_like(_Logits(model), _Logits(reference), batches, _ce, optimizer=SGD, rtol=1e-4, atol=1e-5, what="gpt2")
+
+
+@pytest.mark.parametrize("packed", [1, 2])
+@on_ranks(2)
+def test_a_conv1d_pair_colwise_then_rowwise_trains_like_one_process(packed):
+    from transformers.pytorch_utils import Conv1D
+
+    from torch_tp import ColwiseParallel, RowwiseParallel
+
+    class Pair(torch.nn.Module):  # a gated MLP in GPT-2's layers: [gate; up] fused when packed=2
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.up, self.down = Conv1D(16 * packed, 8), Conv1D(8, 16)
+
+        def forward(self, x):
+            parts = self.up(x).chunk(packed, dim=-1)
+            return self.down(parts[0] * (parts[-1].sigmoid() if packed > 1 else 1.0))
+
+    reference = Pair()
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(),
+                               {"up": ColwiseParallel(packed=packed), "down": RowwiseParallel()})
+    assert model.down.weight.placements == (Shard(0),) and model.down.bias.placements == (Replicate(),)
+    batches = [(torch.randn(2, 4, 8), torch.randn(2, 4, 8)) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what=f"conv1d packed={packed}")
 
 
 def _decoder(family):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch_tp import parallelize_module
 from torch_tp.models.llama import tensor_parallel_plan
 from torch_tp.parallel.suggest import SuggestedPlan, suggest_plan
-from torch_tp.testing import assert_trains_like, on_ranks, small_llama, small_llama_args, tp_mesh
+from torch_tp.testing import assert_trains_like, block_linear_fraction, on_ranks, small_llama, small_llama_args, tp_mesh
 
 VOCAB = small_llama_args().vocab_size
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -51,18 +51,23 @@ class Stack(nn.Module):
 
 
 class FusedMixer(nn.Module):
-    """A block with one fused ``[q; k; v]`` projection (cut with ``chunk``) and a GELU MLP."""
+    """A block with one fused ``[q; k; v]`` projection and a GELU MLP. The projection is cut
+    with ``chunk``, or (``cut="reshape"``, timm's way) reshaped to ``(b, t, 3, heads,
+    head_dim)`` and unbound."""
 
-    def __init__(self, dim=32, heads=4, hidden=64):
+    def __init__(self, dim=32, heads=4, hidden=64, cut="chunk"):
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.cut = dim // heads, cut
         self.norm = nn.LayerNorm(dim)
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (part.view(b, t, -1, self.head_dim).transpose(1, 2) for part in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        if self.cut == "reshape":
+            q, k, v = self.qkv(self.norm(x)).reshape(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (part.view(b, t, -1, self.head_dim).transpose(1, 2) for part in self.qkv(self.norm(x)).chunk(3, dim=-1))
         attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.out(attended)
         return x + self.down(F.gelu(self.up(x)))
@@ -203,10 +208,11 @@ def test_a_group_that_stopped_stops_the_group_it_later_joins():
     assert "sums over the split dim" in plan.reasons["a"] and "sums over the split dim" in plan.reasons["b"], str(plan)
 
 
+@pytest.mark.parametrize("cut", ["chunk", "reshape"])
 @on_ranks(2, 4)
-def test_a_fused_qkv_projection_is_split_part_by_part_and_trains_like_one_process():
+def test_a_fused_qkv_projection_is_split_part_by_part_and_trains_like_one_process(cut):
     torch.manual_seed(0)
-    reference = nn.Sequential(FusedMixer(), FusedMixer())
+    reference = nn.Sequential(FusedMixer(cut=cut), FusedMixer(cut=cut))
     plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 8, 32),))
     for block in ("0", "1"):
         assert plan[f"{block}.qkv"].packed == 3 and "a fused projection of 3 parts" in plan.reasons[f"{block}.qkv"], str(plan)
@@ -214,7 +220,7 @@ def test_a_fused_qkv_projection_is_split_part_by_part_and_trains_like_one_proces
     assert plan.sharded_fraction > 0.9, str(plan)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randn(2, 8, 32), torch.randn(2, 8, 32)) for _ in range(2)]
-    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="fused qkv")
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what=f"fused qkv, {cut}")
 
 
 class _UnequalSplit(nn.Module):
@@ -285,3 +291,23 @@ def test_a_fused_output_also_read_whole_stays_whole_with_the_reason():
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randn(2, 8, 16), torch.randn(2, 8, 16))]
     assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="fused output read whole")
+
+
+@on_ranks(2)
+def test_timms_vit_splits_its_mlps_keeps_attention_sized_by_the_whole_model_whole_and_trains_like_one_process():
+    from torch_tp.models.vit import vit
+
+    torch.manual_seed(0)
+    reference = vit(qk_norm=True)
+    plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 3, 16, 16),))
+    for block in ("blocks.0", "blocks.1"):
+        assert type(plan[f"{block}.mlp.fc1"]).__name__ == "ColwiseParallel", str(plan)
+        assert type(plan[f"{block}.mlp.fc2"]).__name__ == "RowwiseParallel", str(plan)
+        for layer in ("qkv", "proj"):  # reshaped to (b, t, 3, num_heads, head_dim): the whole model's head count
+            why = plan.reasons[f"{block}.attn.{layer}"]
+            assert f"{block}.attn.{layer}" not in plan and "Attention's forward does not run on each rank's slice" in why, why
+    assert "Conv2d" in plan.reasons["patch_embed"], str(plan)
+    assert block_linear_fraction(reference, plan, "blocks.") > 0.5, str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randn(2, 3, 16, 16), torch.randn(2, 10)) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="vit")

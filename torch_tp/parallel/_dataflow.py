@@ -18,10 +18,12 @@ add / sub / mul / div of two tensors             stays, if the other operand is 
 view / reshape / unflatten / flatten            the first dim of the group it splits into
                                                  (features -> heads x head_dim: the heads; the
                                                  heads must divide by the ranks), or the merged
-                                                 dim when it leads the merged group
+                                                 dim when it leads the merged group; into three
+                                                 dims or more (features -> parts x heads x
+                                                 head_dim): each part's heads (``Packed``)
 transpose / permute / unsqueeze / expand,       follows the dim
 view_as_complex / view_as_real (not the split)
-softmax, slice, select, cat, stack,              stays, along any other dim (a norm over the
+softmax, slice, select, unbind, cat, stack,      stays, along any other dim (a norm over the
 mean / sum / amax, rms_norm / layer_norm         last dims: the head's, not the heads')
 split / split_with_sizes / chunk                 stays, along any other dim; along the split dim
                                                  into equal parts: each part keeps it, and the
@@ -105,10 +107,16 @@ def _pointwise(node: Node, split: dict[Node, int]) -> int:
 
 
 def _reshape(node: Node, split: dict[Node, int]) -> int:
+    """The split dim leads its group, so it leads the output's too: features -> (heads,
+    head_dim) splits the heads. Into three dims or more, features -> (parts, heads, head_dim)
+    is a fused projection's output cut into its parts (timm's ``qkv``): each part's heads are
+    split (``Packed``)."""
     (source, dim), = split.items()
     before, after = _shape(source), _shape(node)
     group_in, group_out = _groups(before, after, dim)
-    if group_in[0] == dim and group_out:  # the split dim leads its group: it leads the output's too
+    if group_in[0] == dim and len(group_out) >= 3 and after[group_out[0]] > 1:
+        return Packed(group_out[1], parts=after[group_out[0]])
+    if group_in[0] == dim and group_out:
         return group_out[0]
     raise Stop(f"{node.target} reshapes the split dim {before} -> {after} so that its slices interleave")
 
@@ -226,6 +234,15 @@ def _part_sizes(node: Node, size: int) -> list[int]:
     return [step] * (size // step) + ([size % step] if size % step else [])
 
 
+def _unbind(node: Node, split: dict[Node, int]) -> int:
+    """``unbind`` along another dim: every piece keeps the slice (one dim fewer before it)."""
+    (source, dim), = split.items()
+    along = _dim(int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0)), len(_shape(source)))
+    if along == dim:
+        raise Stop(f"{node.target} takes the split dim apart element by element")
+    return dim - 1 if along < dim else dim
+
+
 def _select(node: Node, split: dict[Node, int]) -> int:
     (source, dim), = split.items()
     along = _dim(int(node.args[1]), len(_shape(source)))
@@ -318,6 +335,7 @@ _RULES: dict[object, Callable[[Node, dict[Node, int]], int]] = {
     **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split),
     aten.slice.Tensor: _along_other_dim(1, 0),
     aten.select.int: _select,
+    aten.unbind.int: _unbind,
     aten.cat.default: _cat,
     aten.stack.default: _stack,
     **dict.fromkeys([aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction], _reduction),

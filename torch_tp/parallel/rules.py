@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -71,6 +72,9 @@ __all__ = [
     "rowwise_placements",
     "replicated_placements",
     "packed_shard",
+    "transposed_linear_types",
+    "is_linear_layer",
+    "in_features",
 ]
 
 
@@ -98,6 +102,45 @@ APPLIED_ATTR = "_torch_tp_applied"
 TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
 
 _SHARDABLE = (nn.Linear, nn.Embedding)
+
+
+def transposed_linear_types() -> tuple[type, ...]:
+    """The linear layers that keep their weight transposed, ``(in_features, out_features)``:
+    transformers' ``Conv1D`` (GPT-2, GPT, ...), when transformers is imported (no instance can
+    exist otherwise). Colwise and Rowwise shard them like an ``nn.Linear``, on the other dims.
+
+    Example::
+
+        >>> all(t.__name__ == "Conv1D" for t in transposed_linear_types())
+        True
+    """
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    return (conv1d,) if isinstance(conv1d, type) else ()
+
+
+def is_linear_layer(module: nn.Module) -> bool:
+    """Whether Colwise and Rowwise shard ``module`` as a linear layer: an ``nn.Linear`` or a
+    transposed one (:func:`transposed_linear_types`).
+
+    Example::
+
+        >>> is_linear_layer(nn.Linear(2, 3)), is_linear_layer(nn.Conv1d(2, 3, 1))
+        (True, False)
+    """
+    return isinstance(module, (nn.Linear, *transposed_linear_types()))
+
+
+def in_features(module: nn.Module) -> int:
+    """A linear layer's input features, whichever way its weight is stored.
+
+    Example::
+
+        >>> in_features(nn.Linear(4, 8))
+        4
+    """
+    transposed = isinstance(module, transposed_linear_types())
+    return module.weight.shape[0] if transposed else module.weight.shape[1]
 
 
 # ------------------------------------------------------------------------ generic helpers
@@ -228,7 +271,7 @@ def is_prepared(module: nn.Module) -> bool:
 def _require_module_type(module: nn.Module, allowed: tuple[type, ...], style: str, module_path) -> None:
     if isinstance(module, allowed):
         return
-    names = " or ".join(f"nn.{t.__name__}" for t in allowed)
+    names = " or ".join(f"nn.{t.__name__}" if t.__module__.startswith("torch.nn") else t.__name__ for t in allowed)
     raise UnsupportedModuleError(
         f"{style} cannot shard {describe(module, module_path)}: it handles {names}. "
         f"Apply it to the Linear/Embedding submodules instead, or use PrepareModuleInput/"
@@ -500,8 +543,8 @@ def _check_linear_or_embedding(
     module, device_mesh, style, module_path, *, colwise: bool, overlap: bool, packed: int
 ) -> None:
     require_1d_mesh(device_mesh, style)
-    _require_module_type(module, _SHARDABLE, style, module_path)
-    if packed > 1:
+    _require_module_type(module, (*_SHARDABLE, *transposed_linear_types()), style, module_path)
+    if packed > 1 and not is_linear_layer(module):
         _require_linear(module, style, f"packed={packed}", "shards the parts of a fused nn.Linear weight",
                         "packed=1", module_path)
     _require_only_weight_and_bias(module, style, module_path)
@@ -617,8 +660,9 @@ def check_prepare_output(module: nn.Module, device_mesh: DeviceMesh | int, modul
 def _weight_shard_dim(module: nn.Module, *, colwise: bool) -> int:
     # Linear computes x @ W.T with W of shape (out, in): colwise splits out (dim 0),
     # rowwise splits in (dim 1). Embedding's W is (num_embeddings, dim): colwise splits
-    # the embedding dim (1), rowwise the vocabulary (0).
-    if isinstance(module, nn.Embedding):
+    # the embedding dim (1), rowwise the vocabulary (0). transformers' Conv1D computes
+    # x @ W with W of shape (in, out): colwise splits out (dim 1), rowwise in (dim 0).
+    if isinstance(module, (nn.Embedding, *transposed_linear_types())):
         return 1 if colwise else 0
     return 0 if colwise else 1
 

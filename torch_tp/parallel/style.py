@@ -239,7 +239,8 @@ class ColwiseParallel(_LinearStyle):
     """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (along its output features).
 
     Linear: the weight (and bias) become ``Shard(0)``; Embedding: the weight becomes
-    ``Shard(1)``. The input, annotated with ``input_layouts``, is redistributed to
+    ``Shard(1)``; transformers' ``Conv1D`` (GPT-2's linear, weight stored ``(in, out)``;
+    torch_tp only): the weight becomes ``Shard(1)``, the bias ``Shard(0)``. The input, annotated with ``input_layouts``, is redistributed to
     ``Replicate()``; the output, sharded on its last dim, is redistributed to
     ``output_layouts`` and returned as a local tensor when ``use_local_output``.
     Function form: :func:`torch_tp.functional.colwise`.
@@ -315,7 +316,8 @@ class RowwiseParallel(_LinearStyle):
     """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (along its input features / vocabulary).
 
     Linear: the weight becomes ``Shard(1)``, the bias ``Replicate()``, and the input is
-    expected sharded on its last dim. Embedding: the weight becomes ``Shard(0)`` and the token
+    expected sharded on its last dim (transformers' ``Conv1D``, torch_tp only: the weight
+    ``Shard(0)``). Embedding: the weight becomes ``Shard(0)`` and the token
     ids are replicated; each rank looks up the ids in its rows (a local lookup, Megatron's
     vocab-parallel embedding), so the weight's gradient stays ``Shard(0)`` (a subclass with its
     own ``forward`` runs it on DTensor's embedding rule instead). The partial-sum output is
@@ -370,7 +372,7 @@ class RowwiseParallel(_LinearStyle):
         distribute_parameters(module, rules.rowwise_placements(module, self.packed), device_mesh, src_data_rank)
         module.register_forward_pre_hook(partial(
             _sharded_input, device_mesh=device_mesh, layout=self.input_layouts or desired, desired=desired,
-            sharded_dim_size=None if is_embedding else module.in_features, module_path=module_path,
+            sharded_dim_size=None if is_embedding else rules.in_features(module), module_path=module_path,
             style="RowwiseParallel", packed=self.packed,
         ))
         if self.overlap:

@@ -37,13 +37,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 
+from torch_tp.parallel import rules
 from torch_tp.parallel._dataflow import Packed, Stop, rule_for
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = ["PlanDerivationError", "SuggestedPlan", "suggest_plan"]
 
-_LINEAR = torch.ops.aten.linear.default
+#: The ops a linear layer runs as, and (input, weight) positions in their arguments: an
+#: ``nn.Linear``'s ``linear(x, weight)``; transformers' ``Conv1D`` (GPT-2's linear, weight
+#: stored ``(in, out)``) runs ``addmm(bias, x.view(-1, in), weight)``.
+_LINEAR_OPS = {torch.ops.aten.linear.default: (0, 1), torch.ops.aten.addmm.default: (1, 2)}
 
 
 class PlanDerivationError(RuntimeError):
@@ -119,21 +123,51 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
         raise ValueError(f"torch_tp.suggest_plan: a 1-D mesh is needed, got {mesh.ndim} dims: pass mesh['tp']")
     program = _exported(model, tuple(example_inputs))
     weights = dict(program.graph_signature.inputs_to_parameters)
-    linears = {node: _module_of(node, weights) for node in program.graph.nodes if _is_linear(node, weights)}
+    linears = _linear_layers(model, program.graph, weights)
     groups = _groups(program.graph, linears, weights, mesh.size())
     tables = _embeddings(program.graph, weights)
     plan = functools.partial(_plan, model, linears, groups, tables, mesh.size())
-    failures = []
-    for local_output in (True, False):  # the first form the model's own code runs right
-        candidate = plan(local_output=local_output)
-        failure = _runs_like_the_model(model, mesh, example_inputs, candidate)
-        if failure is None:
-            return candidate
-        failures.append(f"on {'local slices' if local_output else 'DTensors'}: {failure}")
+    local = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=True))
+    if local is None:
+        return candidate  # upstream's default outputs: code that reshapes with -1
+    dtensors = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=False))
+    if dtensors is None:
+        return candidate  # code that reshapes with the whole model's sizes
+    while local.module is not None and _keep_whole(model, groups, local.module, f"on local slices: {local}; on DTensors: {dtensors}"):
+        local = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=True))
+        if local is None:
+            return candidate  # the groups whose code runs on local slices
     raise PlanDerivationError(
-        "torch_tp.suggest_plan: the derived plan's forward does not give the model's outputs "
-        + "; ".join(failures) + ". Pass a plan of your own for the layers named, or report the op"
+        f"torch_tp.suggest_plan: the derived plan's forward does not give the model's outputs on local slices: "
+        f"{local}; on DTensors: {dtensors}. Pass a plan of your own for the layers named, or report the op"
     )
+
+
+@dataclasses.dataclass
+class _Failure:
+    """Why a candidate plan did not give the model's outputs; ``module``: the innermost module
+    whose forward raised, if one did."""
+
+    message: str
+    module: nn.Module | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _keep_whole(model: nn.Module, groups: list[_Group], failed: nn.Module, why: str) -> bool:
+    """Stop the groups whose layers sit inside a module of ``failed``'s type (its code does
+    not run on each rank's slice, nor on DTensors: e.g. it cuts or reshapes them with the
+    whole model's sizes); whether any group was stopped."""
+    kind = type(failed)
+    inside = [name for name, m in model.named_modules() if type(m) is kind]
+    stopped = False
+    for group in (g for g in groups if g.stop is None):
+        if any(layer.startswith(f"{name}.") for layer in group.starts + group.ends for name in inside):
+            group.stop = (f"{kind.__name__}'s forward does not run on each rank's slice of these features "
+                          f"({why}): the layers it holds stay whole")
+            stopped = True
+    return stopped
 
 
 def _exported(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
@@ -158,19 +192,36 @@ def _runs_like_the_model(model: nn.Module, mesh: DeviceMesh, example_inputs: tup
     if not plan:
         return None
     training = model.training
+    copied = None
     try:
         with torch.no_grad():  # in eval mode: dropout would make every run differ
             want = model.eval()(*example_inputs)
-            got = parallelize_module(copy.deepcopy(model), mesh, plan)(*example_inputs)
+            copied = parallelize_module(copy.deepcopy(model), mesh, plan)
+            got = copied(*example_inputs)
     except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        where = None if copied is None else _raised_in(copied, error)
+        return _Failure(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", where)
     finally:
         model.train(training)
     got, want = (pytree.tree_leaves(_as_tree(v)) for v in (got, want))
     same = len(got) == len(want) and all(
         torch.allclose(_whole(g), w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want) if isinstance(w, torch.Tensor)
     )
-    return None if same else "its outputs differ from the model's"
+    return None if same else _Failure("its outputs differ from the model's")
+
+
+def _raised_in(model: nn.Module, error: BaseException) -> nn.Module | None:
+    """The innermost module of ``model`` whose own ``forward`` is on ``error``'s traceback and
+    holds a parallelized layer below it (not a parallelized layer itself)."""
+    holders = {id(m) for m in model.modules()
+               if any(rules.is_prepared(c) for c in m.modules() if c is not m) and not rules.is_prepared(m)}
+    found, frame = None, error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if frame.tb_frame.f_code.co_name == "forward" and id(owner) in holders:
+            found = owner
+        frame = frame.tb_next
+    return found
 
 
 def _as_tree(value: Any) -> Any:
@@ -182,8 +233,25 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _is_linear(node: Node, weights: dict[str, str]) -> bool:
-    return node.op == "call_function" and node.target is _LINEAR and getattr(node.args[1], "name", None) in weights
+def _linear_layers(model: nn.Module, graph: torch.fx.Graph, weights: dict[str, str]) -> dict[Node, str]:
+    """``{the op a linear layer ran as: its module}``, for the layers Colwise and Rowwise shard
+    (``nn.Linear``, ``Conv1D``); a weight another module multiplies its own way stays out (that
+    module is listed, kept whole)."""
+    modules = dict(model.named_modules())
+    found = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _LINEAR_OPS:
+            weight = node.args[_LINEAR_OPS[node.target][1]]
+            if getattr(weight, "name", None) in weights:
+                name = _module_of(node, weights, weight_arg=_LINEAR_OPS[node.target][1])
+                if rules.is_linear_layer(modules.get(name, nn.Identity())):
+                    found[node] = name
+    return found
+
+
+def _input_of(linear: Node) -> Node:
+    """The activation a linear layer's op reads (not its weight or bias)."""
+    return linear.args[_LINEAR_OPS[linear.target][0]]
 
 
 def _module_of(node: Node, weights: dict[str, str], weight_arg: int = 1) -> str:
@@ -230,9 +298,9 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
         starts = [start for _, start in inputs.values()]
         for other in starts[1:]:
             parent[root(other)] = root(starts[0])
-        if node in linears and node.args[0] in inputs:
-            dim, start = inputs[node.args[0]]
-            if dim != len(_shape(node.args[0])) - 1:
+        if node in linears and _input_of(node) in inputs:
+            dim, start = inputs[_input_of(node)]
+            if dim != len(_shape(_input_of(node))) - 1:
                 stop(starts, f"{linears[node]} reads it along another dim")
             ends.append((node, start))
         elif inputs:
@@ -266,9 +334,9 @@ def _note_parts(node: Node, dim: Packed, inputs: dict[Node, tuple[int, Node]], l
     features of one linear layer, once, and nothing else reads them before the cut (that would
     read the packed layout, each rank's slice of every part, as one slice); each part must
     divide by ``ranks``."""
-    (source, (_, start)), = inputs.items()
+    (source, (source_dim, start)), = inputs.items()
     features = _shape(start)[-1]
-    if _shape(source)[dim] != features or start in packed:
+    if _shape(source)[source_dim] != features or start in packed:
         raise Stop(f"{node.target} cuts a split dim that is not {linears[start]}'s output features, once")
     if not _only_path(start, source):
         raise Stop(f"{linears[start]}'s fused output features are read whole before {node.target} cuts them into parts")
@@ -382,8 +450,8 @@ def _plan(
         if head is not None and head not in styles:  # the output head: gathered where it is returned
             styles[head] = ColwiseParallel(output_layouts=Replicate())
             reasons[head] = "the output head: its split output features are gathered whole, as the model returns them"
-        for start in group.starts:
-            reasons.setdefault(start, f"{group.stop}")
+        for layer in group.starts + group.ends:
+            reasons.setdefault(layer, f"{group.stop}")
     for table, rows in tables.items():
         if table not in styles and rows % ranks == 0:
             styles[table] = RowwiseParallel(input_layouts=Replicate())
@@ -418,11 +486,11 @@ def _place_tied_copies(model: nn.Module, styles: dict[str, ParallelStyle], reaso
 
 def _name_other_weights(model: nn.Module, reasons: dict[str, str]) -> None:
     """Every other module with a matrix (or larger) weight is listed too, kept whole: GPT-2's
-    ``Conv1D``, a patch embedding's ``Conv2d``. No rule derives them yet."""
+    patch embedding's ``Conv2d``. No rule derives them yet."""
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if name not in reasons and isinstance(weight, nn.Parameter) and weight.dim() >= 2:
-            reasons[name] = f"kept whole: no rule derives a {type(module).__name__} yet (only nn.Linear and nn.Embedding)"
+            reasons[name] = f"kept whole: no rule derives a {type(module).__name__} yet (only nn.Linear, Conv1D and nn.Embedding)"
 
 
 def _sharded_fraction(model: nn.Module, styles: dict[str, ParallelStyle]) -> float:

@@ -23,7 +23,7 @@ A tutorial or benchmark runs as users run it (in the parent; ``ROOT`` is the rep
 
 from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes
 from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
-from torch_tp.testing._fixtures import TOL, markdown_tables, quantize_weights, small_llama, small_llama_args, tolerance
+from torch_tp.testing._fixtures import TOL, block_linear_fraction, markdown_tables, quantize_weights, small_llama, small_llama_args, tolerance
 from torch_tp.testing._on_ranks import on_ranks
 from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
 from torch_tp.testing._reference import (
@@ -55,6 +55,7 @@ __all__ = [
     "full_tensors",
     "local_chunk",
     "markdown_tables",
+    "block_linear_fraction",
     "mesh_2x2",
     "on_ranks",
     "quantize_weights",

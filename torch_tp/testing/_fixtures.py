@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["TOL", "quantize_weights", "small_llama", "small_llama_args", "tolerance"]
+__all__ = ["TOL", "block_linear_fraction", "quantize_weights", "small_llama", "small_llama_args", "tolerance"]
 
 #: float32 agreement between a parallel result and its single-process reference: the two
 #: differ only by the order in which partial results are summed.
@@ -128,3 +128,21 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
             tables.append([dict(zip(header, row)) | {"__header__": header} for row in rows])
             block = []
     return tables
+
+
+def block_linear_fraction(model: nn.Module, plan: dict, prefix: str) -> float:
+    """The share of the bytes of ``model``'s linear layers under ``prefix`` (its blocks) that
+    ``plan`` splits (``ColwiseParallel`` / ``RowwiseParallel``); ``Conv1D`` counts as linear.
+
+    Example::
+
+        >>> from torch_tp import ColwiseParallel
+        >>> block_linear_fraction(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), {"0": ColwiseParallel()}, "")
+        0.5
+    """
+    from torch_tp.parallel import rules
+
+    sizes = {name: sum(p.numel() * p.element_size() for p in m.parameters())
+             for name, m in model.named_modules() if name.startswith(prefix) and rules.is_linear_layer(m)}
+    split = sum(size for name, size in sizes.items() if type(plan.get(name)).__name__ in ("ColwiseParallel", "RowwiseParallel"))
+    return split / sum(sizes.values()) if sizes else 0.0
