@@ -2,7 +2,7 @@
 
 Command (spawns 2 gloo CPU ranks and prints one table)::
 
-    python3 benchmarks/suggest_plan.py            # 20 timed steps per row (~40 s)
+    python3 benchmarks/suggest_plan.py            # 20 timed steps per row (~60 s)
     python3 benchmarks/suggest_plan.py --quick    # 3 steps (the smoke test)
 
 Under ``torchrun --nproc-per-node 2 benchmarks/suggest_plan.py`` the launcher's ranks are used.
@@ -11,9 +11,10 @@ For each model, ``torch_tp.suggest_plan`` derives a plan from its ``torch.export
 the benchmark's batch; the model is then trained (forward, backward, SGD step) with that plan,
 with the plan it ships where it ships one (the zoo Llama's ``tensor_parallel_plan``,
 transformers' Qwen3 through ``integrations.transformers.tp_plan``), and replicated (every rank
-computes the whole model: no plan). Models: the zoo Llama, the zoo MLP-Mixer (no plan of its
-own), and, when transformers is installed, BERT (no plan) and Qwen3 (a shipped plan), built
-from their configs. Columns (rank 0's wall times; a barrier before each step):
+computes the whole model: no plan). Models: the zoo Llama (also with ``sequence_parallel=True``
+against its shipped sequence-parallel plan), the zoo MLP-Mixer and timm-style ViT (no plan of
+their own), and, when transformers is installed, BERT and GPT-2 (no plan) and Qwen3 (a shipped
+plan), built from their configs. Columns (rank 0's wall times; a barrier before each step):
 
 ``plan``          derived, shipped or replicated.
 ``bytes split``   the share of the parameter bytes that are sharded DTensors once the plan is
@@ -45,6 +46,7 @@ from torch_tp import parallelize_module, suggest_plan
 from torch_tp.launch import rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.models.mixer import mlp_mixer
+from torch_tp.models.vit import vit
 from torch_tp.parallel import match_pattern
 
 # _driver.py is next to this script, whose directory running it (python3 or torchrun) puts first
@@ -66,12 +68,15 @@ class _Output(nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def _models() -> list[tuple[str, nn.Module, torch.Tensor, dict | None]]:
-    """(name, model, batch, the plan it ships or None), each built from seed 0."""
+def _models() -> list[tuple[str, nn.Module, torch.Tensor, dict | None, bool]]:
+    """(name, model, batch, the plan it ships or None, sequence parallel), each built from seed 0."""
     torch.manual_seed(0)
     llama = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=8, vocab_size=256, ffn_hidden=256, max_seq_len=64))
-    models = [("zoo Llama", llama, torch.randint(0, 256, (4, 64)), tensor_parallel_plan()),
-              ("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None)]
+    tokens = torch.randint(0, 256, (4, 64))
+    models = [("zoo Llama", llama, tokens, tensor_parallel_plan(), False),
+              ("zoo Llama, sequence parallel", llama, tokens, tensor_parallel_plan(sequence_parallel=True), True),
+              ("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None, False),
+              ("zoo ViT (timm's)", vit(image_size=64, patch=8, dim=128, num_heads=8), torch.randn(8, 3, 64, 64), None, False)]
     try:
         import transformers
     except ImportError:
@@ -84,8 +89,12 @@ def _models() -> list[tuple[str, nn.Module, torch.Tensor, dict | None]]:
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=256, max_position_embeddings=64, head_dim=16,
                                                                    num_key_value_heads=4, use_cache=False, **sizes))
     qwen3.config._attn_implementation = "sdpa"
-    return models + [("transformers BERT", _Output(bert), torch.randint(0, 256, (4, 64)), None),
-                     ("transformers Qwen3", _Output(qwen3), torch.randint(0, 256, (4, 64)), _prefixed(tp_plan(qwen3), "model."))]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=128, n_layer=2, n_head=8, vocab_size=256, n_positions=64, use_cache=False, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return models + [("transformers BERT", _Output(bert), tokens, None, False),
+                     ("transformers GPT-2", _Output(gpt2), tokens, None, False),
+                     ("transformers Qwen3", _Output(qwen3), tokens, _prefixed(tp_plan(qwen3), "model."), False)]
 
 
 def _prefixed(plan: dict, prefix: str) -> dict:
@@ -125,10 +134,10 @@ def _same_layers(reference: nn.Module, derived: dict, shipped: dict) -> str:
 def rank_main(config: RunConfig) -> None:
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     rows = []
-    for name, reference, batch, shipped in _models():
+    for name, reference, batch, shipped, sequence_parallel in _models():
         reference, batch = reference.to(rank_device()), batch.to(rank_device())
         began = time.perf_counter()
-        derived = suggest_plan(reference, mesh, (batch,))
+        derived = suggest_plan(reference, mesh, (batch,), sequence_parallel=sequence_parallel)
         derive_ms = 1e3 * (time.perf_counter() - began)
         replicated_ms = _step_ms(copy.deepcopy(reference), batch, config)
         plans = [("derived", derived)] + ([("shipped", shipped)] if shipped is not None else [])

@@ -311,3 +311,51 @@ def test_timms_vit_splits_its_mlps_keeps_attention_sized_by_the_whole_model_whol
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
     batches = [(torch.randn(2, 3, 16, 16), torch.randn(2, 10)) for _ in range(2)]
     assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="vit")
+
+
+@on_ranks(2, 4)
+def test_sequence_parallel_derives_the_zoo_llamas_shipped_sequence_parallel_plan_and_trains_like_one_process():
+    from torch.distributed.tensor import Shard
+
+    from torch_tp.parallel import SequenceParallel
+
+    reference = small_llama(seed=0)
+    plan = suggest_plan(reference, tp_mesh(), (torch.randint(0, VOCAB, (2, 8)),), sequence_parallel=True)
+    shipped = tensor_parallel_plan(sequence_parallel=True)
+    norms = 0
+    for name, module in reference.named_modules():
+        style = next((s for p, s in shipped.items() if _matches(p, name)), None)
+        if isinstance(style, (SequenceParallel, type(plan["output"]), type(plan["tok_embeddings"]))):
+            assert type(plan.get(name)) is type(style), (name, str(plan))
+            norms += isinstance(style, SequenceParallel)
+    assert norms == 2 * 2 + 1, str(plan)  # attention_norm, ffn_norm per block; the final norm
+    assert plan["layers.0.attention.wo"].output_layouts == Shard(1) and plan["tok_embeddings"].output_layouts == Shard(1)
+    assert plan["layers.0.feed_forward.w1"].input_layouts == Shard(1) and plan["output"].input_layouts == Shard(1)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    batches = [(torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _ce, optimizer=SGD, what="derived sequence parallel")
+
+
+class _Encoder(nn.Module):
+    """An embedding and two hand-written blocks that return the hidden states (an encoder): the
+    stream the model returns is whole."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.blocks = nn.Embedding(64, 32), nn.Sequential(Mixer(), Mixer())
+
+    def forward(self, tokens):
+        return self.blocks(self.embed(tokens))
+
+
+@pytest.mark.parametrize("case", ["returned", "mixes the positions"])
+@on_ranks(2)
+def test_sequence_parallel_where_the_stream_cannot_be_split_raises_naming_why(case):
+    from torch_tp.models.mixer import mlp_mixer
+    from torch_tp.parallel.suggest import PlanDerivationError
+
+    model, example, why = (_Encoder(), torch.randint(0, 64, (2, 8)), "the model returns it") if case == "returned" else \
+        (mlp_mixer(), torch.randn(2, 3, 16, 16), "combines it with a tensor not split like it")
+    with pytest.raises(PlanDerivationError, match=rf"sequence_parallel=True\): the residual stream cannot be split along the sequence: .*{why}"):
+        suggest_plan(model, tp_mesh(), (example,), sequence_parallel=True)

@@ -316,9 +316,11 @@ def parallelize(
     :func:`torch_tp.suggest_plan` derives from its dataflow on ``example_inputs`` (default: the
     model's own ``dummy_inputs`` for its main input, token ids for text models), with a
     :class:`DerivedPlanWarning` naming the share of bytes it splits; ``print(suggest_plan(model,
-    mesh, example_inputs))`` lists it module by module. A derived plan has no sequence
-    parallelism or vocabulary-parallel loss yet (``NotImplementedError`` for those), and one that
-    splits nothing raises ``ValueError`` rather than returning the model unchanged. A plan that
+    mesh, example_inputs))`` lists it module by module. ``sequence_parallel=True`` derives the
+    sequence-parallel stream too (``PlanDerivationError`` naming the op where the model does not
+    allow it: an encoder returns its hidden states); a derived plan has no vocabulary-parallel
+    loss yet (``NotImplementedError``), and one that splits nothing raises ``ValueError`` rather
+    than returning the model unchanged. A plan that
     leaves more than half the parameter bytes whole on every rank warns, naming the share and
     the largest whole modules.
     ``model.save_pretrained(dir)``, called on every rank, writes the whole tensors (rank 0
@@ -392,12 +394,11 @@ def _derived_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any,
     """The plan :func:`suggest_plan` derives for a model that ships none, announced by a warning."""
     name, shipped = type(model).__name__, getattr(model.config, "base_model_tp_plan", None)
     where = f"torch_tp.integrations.transformers.parallelize: {name} ships no tensor-parallel plan for the modules it builds"
-    for flag, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel_loss", vocab_parallel_loss)):
-        if value:
-            raise NotImplementedError(f"{where}, and a plan derived from its dataflow has no {flag} yet: "
-                                      f"pass {flag}=False, or write a plan for torch_tp.parallelize_module")
+    if vocab_parallel_loss:
+        raise NotImplementedError(f"{where}, and a plan derived from its dataflow has no vocab_parallel_loss yet: "
+                                  f"pass vocab_parallel_loss=False, or write a plan for torch_tp.parallelize_module")
     with _without_cache(model):  # a returned KV cache is not traceable; the derived plan is the same
-        plan = suggest_plan(model, mesh, _example_inputs(model, example_inputs, where))
+        plan = suggest_plan(model, mesh, _example_inputs(model, example_inputs, where), sequence_parallel=sequence_parallel)
     if not _shards_anything(plan):
         raise ValueError(
             f"{where} (config.base_model_tp_plan is {shipped!r}, and no _tp_plan entry matches), and none derived "

@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch.fx import Node
 from torch_tp.parallel import rules
 from torch_tp.parallel._dataflow import Packed, Stop, rule_for
 from torch_tp.parallel.replicate import ReplicateParallel
-from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = ["PlanDerivationError", "SuggestedPlan", "suggest_plan"]
 
@@ -104,13 +105,24 @@ class SuggestedPlan(dict):
         return "\n".join([*lines, f"{100 * self.sharded_fraction:.1f}% of the parameter bytes split"])
 
 
-def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...]) -> SuggestedPlan:
+def suggest_plan(
+    model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], *, sequence_parallel: bool = False
+) -> SuggestedPlan:
     """Derive a tensor-parallel plan for ``model`` on the 1-D ``mesh`` from its dataflow.
 
     ``model`` is exported with ``torch.export`` on ``example_inputs`` (the model is not
     changed); its ``nn.Linear`` layers are paired as described in the module docstring. Every
     dim split along the way must divide by the mesh size (heads not divisible by the ranks keep
     their attention replicated, with that reason).
+
+    ``sequence_parallel=True`` also splits the residual stream between the split layers along
+    the sequence (dim 1): the embedding and every ``RowwiseParallel`` layer hand it on
+    ``Shard(1)`` (a reduce-scatter) as a DTensor (code reading its shape sees the whole
+    sequence: masks, positions), the norms on it run as ``SequenceParallel``, and every
+    layer reading it gathers it (``ColwiseParallel(input_layouts=Shard(1))``). The stream is
+    followed through the graph with the same rules; where it cannot be split (the model
+    returns it, an op mixes the positions, a layer kept whole reads it),
+    :class:`PlanDerivationError` names the op.
 
     Example::
 
@@ -126,7 +138,8 @@ def suggest_plan(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, 
     linears = _linear_layers(model, program.graph, weights)
     groups = _groups(program.graph, linears, weights, mesh.size())
     tables = _embeddings(program.graph, weights)
-    plan = functools.partial(_plan, model, linears, groups, tables, mesh.size())
+    stream = functools.partial(_split_stream, program.graph, linears, weights, mesh.size()) if sequence_parallel else None
+    plan = functools.partial(_plan, model, linears, groups, tables, mesh.size(), stream=stream)
     local = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=True))
     if local is None:
         return candidate  # upstream's default outputs: code that reshapes with -1
@@ -428,7 +441,8 @@ _HEAD = "the model returns it"
 
 
 def _plan(
-    model: nn.Module, linears: dict[Node, str], groups: list[_Group], tables: dict[str, int], ranks: int, *, local_output: bool
+    model: nn.Module, linears: dict[Node, str], groups: list[_Group], tables: dict[str, int], ranks: int, *,
+    local_output: bool, stream: Callable[[dict, dict], None] | None = None
 ) -> SuggestedPlan:
     styles: dict[str, ParallelStyle] = {}
     reasons: dict[str, str] = {}
@@ -459,10 +473,81 @@ def _plan(
         else:
             reasons.setdefault(table, f"{rows} rows, which {ranks} ranks cannot split evenly")
     _place_tied_copies(model, styles, reasons)
+    if stream is not None:
+        stream(styles, reasons)
     _name_other_weights(model, reasons)
     order = list(dict.fromkeys([*tables, *linears.values(), *reasons]))
     return SuggestedPlan(styles, reasons={n: reasons[n] for n in order if n in reasons},
                          sharded_fraction=_sharded_fraction(model, styles))
+
+
+_SEQUENCE = 1  # the sequence dim of (batch, sequence, features)
+
+
+def _split_stream(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, str], ranks: int,
+                  styles: dict[str, ParallelStyle], reasons: dict[str, str]) -> None:
+    """Sequence parallelism on the values between the split layers (the residual stream):
+    what the embeddings and ``RowwiseParallel`` layers hand on, followed through the graph
+    split along the sequence; every op it meets must keep that split (the rules of
+    :mod:`torch_tp.parallel._dataflow`), every linear layer reading it must be
+    ``ColwiseParallel`` (it gathers the sequence), and the model must not return it. The
+    styles change in place; anything else raises :class:`PlanDerivationError`."""
+    try:
+        producers, readers, norms = _stream(graph, linears, weights, ranks, styles)
+    except Stop as why:
+        raise PlanDerivationError(
+            f"torch_tp.suggest_plan(sequence_parallel=True): the residual stream cannot be split along the sequence: "
+            f"{why}. Derive the plan without sequence_parallel, or write the sequence-parallel entries yourself"
+        ) from None
+    for name in producers:
+        styles[name] = dataclasses.replace(styles[name], output_layouts=Shard(_SEQUENCE), use_local_output=False)
+        reasons[name] += "; hands on the residual stream split along the sequence (a reduce-scatter)"
+    for name in readers:
+        styles[name] = dataclasses.replace(styles[name], input_layouts=Shard(_SEQUENCE))
+        reasons[name] += "; gathers the residual stream, split along the sequence"
+    for name in norms:
+        styles[name] = SequenceParallel()
+        reasons[name] = "runs on the residual stream, split along the sequence: one copy, gradients summed"
+
+
+def _stream(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, str], ranks: int,
+            styles: dict[str, ParallelStyle]) -> tuple[list[str], list[str], list[str]]:
+    """(producers, readers, norms) of the residual stream, or :class:`Stop` with the op that
+    cannot take it split along the sequence."""
+    def placed(name: str, style: type) -> bool:
+        return isinstance(styles.get(name), style) and not isinstance(styles[name], ReplicateParallel)
+
+    split: dict[Node, int] = {}
+    producers, readers, norms = [], [], {}
+    for node in graph.nodes:
+        if node.op == "output" and any(a in split for a in _tensor_args(node)):
+            raise Stop("the model returns it (its hidden states) split along the sequence")
+        if node.op != "call_function" or node.target in _CHECKS:
+            continue
+        inputs = {a: split[a] for a in _tensor_args(node) if a in split}
+        if node in linears and _input_of(node) in inputs:
+            if not placed(linears[node], ColwiseParallel):
+                raise Stop(f"{linears[node]} reads it but is not split by features ({styles.get(linears[node]) or 'kept whole'})")
+            if inputs[_input_of(node)] == len(_shape(_input_of(node))) - 1:
+                raise Stop(f"{linears[node]} reads it along the sequence")
+            readers.append(linears[node])
+            continue
+        if inputs:
+            dim = rule_for(node)(node, inputs)
+            if isinstance(dim, Packed):
+                raise Stop(f"{node.target} cuts the sequence into parts")
+            _require_divisible(node, dim, ranks)
+            split[node] = dim
+            for param in (a for a in _tensor_args(node) if a.name in weights):  # a norm's weight
+                norms[weights[param.name].rsplit(".", 1)[0]] = None
+        table = node.target is torch.ops.aten.embedding.default and getattr(node.args[0], "name", None) in weights
+        produced = _module_of(node, weights, weight_arg=0) if table else linears.get(node)
+        if produced is not None and placed(produced, RowwiseParallel):
+            if len(_shape(node)) != 3 or _shape(node)[_SEQUENCE] % ranks:
+                raise Stop(f"{produced} hands on {tuple(_shape(node))}, not (batch, sequence, features) with a sequence the {ranks} ranks split evenly")
+            split[node] = _SEQUENCE
+            producers.append(produced)
+    return list(dict.fromkeys(producers)), list(dict.fromkeys(readers)), list(norms)
 
 
 def _place_tied_copies(model: nn.Module, styles: dict[str, ParallelStyle], reasons: dict[str, str]) -> None:
@@ -498,7 +583,7 @@ def _sharded_fraction(model: nn.Module, styles: dict[str, ParallelStyle]) -> flo
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     split = {
         id(p): p.numel() * p.element_size()
-        for name, module in model.named_modules() if name in styles and not isinstance(styles[name], ReplicateParallel)
+        for name, module in model.named_modules() if isinstance(styles.get(name), (ColwiseParallel, RowwiseParallel))
         for pname, p in module.named_parameters(recurse=False)
         if not (isinstance(styles[name], RowwiseParallel) and pname == "bias")  # a rowwise bias stays whole
     }

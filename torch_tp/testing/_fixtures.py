@@ -130,8 +130,8 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
     return tables
 
 
-def block_linear_fraction(model: nn.Module, plan: dict, prefix: str) -> float:
-    """The share of the bytes of ``model``'s linear layers under ``prefix`` (its blocks) that
+def block_linear_fraction(model: nn.Module, plan: dict, prefix: str | tuple[str, ...]) -> float:
+    """The share of the bytes of ``model``'s linear layers under ``prefix`` (its blocks; a tuple: any of them) that
     ``plan`` splits (``ColwiseParallel`` / ``RowwiseParallel``); ``Conv1D`` counts as linear.
 
     Example::
