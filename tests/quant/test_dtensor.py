@@ -18,7 +18,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor, quantize_module_weight
-from torch_tp.testing import TOL, comm_counts, local_chunk, on_ranks, quantize_weights, tolerance, tp_mesh
+from torch_tp.testing import (
+    TOL, comm_counts, local_chunk, on_ranks, quantize_weights, rank, tolerance, tp_mesh, wire_bytes, world_size,
+)
 
 # Sharded vs unsharded quantized: float32 differs only by summation order; bfloat16 sums
 # partial results rounded to 8 bits, so it gets bfloat16-sized tolerances (tolerance(dtype)).
@@ -105,6 +107,42 @@ def test_redistribute_shard_to_replicate_moves_int8_bytes_not_floats():
     received = gathered.qdata.untyped_storage().nbytes() + gathered.scale.untyped_storage().nbytes()
     ratio = received / (q.numel() * 4)
     assert ratio <= 0.27, ratio  # int8 (0.25x) + one float32 scale per 256-wide row
+
+
+@pytest.mark.parametrize("style", ["rowwise", "colwise", "rowwise uneven", "rowwise empty pieces"])
+@on_ranks(2, 4)
+def test_an_int8_gather_moves_qdata_and_only_the_scales_that_are_sharded(style):
+    # counted by gloo (the profiler's gloo events), below DTensor and the int8 subclass. Uneven
+    # pieces are padded on some ranks only, and empty ones made on some ranks only: the gather
+    # must move the same on every rank (else gloo aborts on the size mismatch)
+    torch.manual_seed(0)
+    columns = {"rowwise uneven": 66, "rowwise empty pieces": 3}.get(style, 64)
+    linear = quantize_weights(nn.Linear(columns, 32, bias=False))
+    q = linear.weight
+    if style == "rowwise empty pieces":  # 3 columns on 4 ranks: one rank holds none (no style allows it)
+        sharded = distribute_tensor(q, tp_mesh(), [Shard(1)])
+    else:
+        sharded = parallelize_module(copy.deepcopy(linear), tp_mesh(),
+                                     ColwiseParallel() if style == "colwise" else RowwiseParallel()).weight
+    local = sharded.to_local()
+    gathered = {}
+    sent = wire_bytes(lambda: gathered.setdefault("whole", sharded.full_tensor()))
+    torch.testing.assert_close(gathered["whole"].dequantize(), q.dequantize(), rtol=0, atol=0)
+    padded = 32 * -(-columns // world_size())  # the largest piece's qdata, which every rank sends
+    if style == "colwise":  # each rank's rows and their scales
+        assert sent == {"all_gather": local.qdata.numel() + 4 * local.scale.numel()}, sent
+    else:  # every rank holds every row's scale: only qdata travels
+        assert sent == {"all_gather": padded}, sent
+
+
+@on_ranks(2)
+def test_feature_pieces_quantized_on_each_rank_still_gather_their_scales_and_disagree_by_name():
+    # each rank quantizes its own columns: their scales differ, which the join refuses
+    torch.manual_seed(rank())
+    piece = Int8SymmetricTensor.from_hp(torch.randn(8, 4) * (1 + rank()))
+    sharded = DTensor.from_local(piece, tp_mesh(), [Shard(1)], shape=(8, 8), stride=(8, 1))
+    with pytest.raises(ValueError, match="whose scales must be equal"):
+        sharded.full_tensor()
 
 
 @on_ranks(2)

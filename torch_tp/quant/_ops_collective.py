@@ -9,8 +9,11 @@
 | ``c10d.broadcast_`` | ``distribute_tensor(..., [Replicate()], src_data_rank=r)`` |
 | ``all_reduce`` / ``reduce_scatter_tensor`` | not supported: they need int8 arithmetic |
 
-Gathering bytes instead of floats is the point: a gathered weight moves
-``numel`` int8 bytes plus one float32 per row, about a quarter of the float32 traffic.
+Gathering bytes instead of floats is the point: a weight sharded by rows (``Shard(0)``: a
+Colwise weight) moves ``numel`` int8 bytes plus one float32 per row, about a quarter of the
+float32 traffic; one sharded by features (``Shard(1)``: a Rowwise weight) moves only its
+``numel`` int8 bytes, because every rank already holds every row's scale
+(``Int8SymmetricTensor.layout_flags``: its pieces were cut from one tensor with whole rows).
 
 The all-gather is one collective, waited before it returns: each rank's ``qdata`` and the
 bytes of its ``scale`` travel packed in one int8 buffer, unpacked on arrival. In torch 2.13,
@@ -42,6 +45,9 @@ def _int8_all_gather(func, types, args, kwargs):
             f"all-gather along dim 0 of an {type(self).__name__} whose scales broadcast over "
             f"dim 0 (scale {tuple(self.scale.shape)}): shard the untransposed weight instead"
         )
+    if self.shared_scale:  # a feature shard (Rowwise): every rank holds this scale, only qdata travels
+        gathered = funcol.wait_tensor(func(self.qdata.contiguous(), group_size, group_name))
+        return self.with_data(gathered, self.scale.repeat(group_size, *[1] * (self.scale.ndim - 1)))
     packed = torch.cat([self.qdata.reshape(-1), self.scale.reshape(-1).view(torch.int8)])
     gathered = funcol.wait_tensor(func(packed, group_size, group_name)).view(group_size, -1)
     return self.with_data(*_unpacked(gathered, self.qdata.shape, self.scale.shape))

@@ -38,7 +38,7 @@ def _int8_slice(func, types, args, kwargs):
     scale = self.scale
     if self.scale_follows(dim):
         scale = aten.slice.Tensor(self.scale, dim, start, end, step)
-    return return_and_correct_aliasing(func, args, kwargs, self.with_data(qdata, scale))
+    return return_and_correct_aliasing(func, args, kwargs, self.with_data(qdata, scale, **self.piece_flags(dim)))
 
 
 @implements(aten.split.Tensor)
@@ -50,7 +50,7 @@ def _int8_split(func, types, args, kwargs):
         scales = aten.split.Tensor(self.scale, split_size, dim)
     else:
         scales = [self.scale] * len(pieces)
-    return [self.with_data(q, s) for q, s in zip(pieces, scales)]
+    return [self.with_data(q, s, **self.piece_flags(dim)) for q, s in zip(pieces, scales)]
 
 
 def _scales_agree(scales: list[torch.Tensor]) -> bool:
@@ -100,8 +100,9 @@ def _per_row_on_dim0_only(q: Int8SymmetricTensor) -> bool:
 @implements([aten.view.default, aten._unsafe_view.default])
 def _int8_view(func, types, args, kwargs):
     self, shape = args[0], _resolve_shape(args[1], args[0].numel())
+    flags = {}
     if list(shape) == list(self.shape):
-        qdata, scale = func(self.qdata, shape), self.scale
+        qdata, scale, flags = func(self.qdata, shape), self.scale, self.layout_flags()
     elif len(shape) == 1 and self.ndim > 1 and _per_row_on_dim0_only(self):
         # FSDP2's flat record of a shard: the same bytes, per-row scales kept, of another class
         # (return_and_correct_aliasing requires the input's; FSDP2 builds it eagerly, at init)
@@ -116,7 +117,7 @@ def _int8_view(func, types, args, kwargs):
             f"elements of rows that have different scales (scale shape {tuple(self.scale.shape)}); "
             f"only views that keep dim 0 (the rows) are supported — dequantize() first for others"
         )
-    out = self.with_data(qdata, scale)
+    out = self.with_data(qdata, scale, **flags)
     return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
 
 
@@ -164,14 +165,18 @@ def _int8_pad(func, types, args, kwargs):
         dim = self.ndim - 1 - i // 2
         scale_pad += pad[i:i + 2] if self.scale_follows(dim) else [0, 0]
     scale = aten.constant_pad_nd.default(self.scale, scale_pad, 1.0)
-    return self.with_data(qdata, scale)
+    # Padding features keeps the rows and their scale: the flags stay, as on the ranks whose
+    # uneven shard needs no padding (a gather's size must not depend on the rank).
+    rows_padded = any(scale_pad)
+    return self.with_data(qdata, scale, **({} if rows_padded else self.layout_flags()))
 
 
 @implements(aten.empty_like.default)
 def _int8_empty_like(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.device
-    return self.with_data(torch.empty_like(self.qdata, device=device), torch.empty_like(self.scale, device=device))
+    return self.with_data(torch.empty_like(self.qdata, device=device), torch.empty_like(self.scale, device=device),
+                          **self.layout_flags())
 
 
 @implements(aten.new_empty.default)
@@ -193,11 +198,11 @@ def _int8_new_zeros(func, types, args, kwargs):
     device = kwargs.get("device") or self.device
     qdata = torch.zeros(size, dtype=torch.int8, device=device)
     scale_shape = self.scale_shape_for(size)
-    if scale_shape == self.scale.shape:
-        scale = self.scale.to(device, copy=True)
+    if scale_shape == self.scale.shape:  # an empty piece of the same rows: the flags of its siblings
+        scale, flags = self.scale.to(device, copy=True), self.layout_flags()
     else:
-        scale = torch.ones(scale_shape, dtype=self.scale.dtype, device=device)
-    return type(self)(qdata, scale, _logical_dtype(self, kwargs, "new_zeros"))
+        scale, flags = torch.ones(scale_shape, dtype=self.scale.dtype, device=device), {"whole_rows": False}
+    return type(self)(qdata, scale, _logical_dtype(self, kwargs, "new_zeros"), **flags)
 
 
 def _logical_dtype(self: Int8SymmetricTensor, kwargs, op: str) -> torch.dtype:
@@ -214,5 +219,6 @@ def _logical_dtype(self: Int8SymmetricTensor, kwargs, op: str) -> torch.dtype:
 def _int8_to_copy(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.device
-    out = type(self)(self.qdata.to(device), self.scale.to(device), _logical_dtype(self, kwargs, "to"))
+    out = type(self)(self.qdata.to(device), self.scale.to(device), _logical_dtype(self, kwargs, "to"),
+                     self.whole_rows, self.shared_scale)
     return return_and_correct_aliasing(func, args, kwargs, out)

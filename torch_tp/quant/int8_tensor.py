@@ -56,30 +56,39 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
 
     tensor_data_names = ["qdata", "scale"]
     tensor_attribute_names = ["dtype"]
+    #: Where the rows came from (see :meth:`layout_flags`): kept by copies, moves and detaches.
+    optional_tensor_attribute_names = ["whole_rows", "shared_scale"]
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                whole_rows: bool | None = True, shared_scale: bool | None = False):
         return torch.Tensor._make_wrapper_subclass(
             cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=False
         )
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 whole_rows: bool | None = True, shared_scale: bool | None = False):
         super().__init__()
         self.qdata = qdata
         self.scale = scale
+        self.whole_rows = True if whole_rows is None else bool(whole_rows)
+        self.shared_scale = False if shared_scale is None else bool(shared_scale)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _registry.register(cls)
 
     def __tensor_flatten__(self):
-        """``(["qdata", "scale"], context)``; the context names this tensor's registered class."""
-        return list(self.tensor_data_names), {"dtype": self.dtype, "class": _registry.class_key(type(self))}
+        """``(["qdata", "scale"], context)``; the context names this tensor's registered class
+        and carries its :meth:`layout_flags`."""
+        return list(self.tensor_data_names), {"dtype": self.dtype, "class": _registry.class_key(type(self)),
+                                              **self.layout_flags()}
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
         """Rebuild from :meth:`__tensor_flatten__`'s output; only torch_tp's registered classes."""
         target = _registry.registered_class(context["class"], Int8SymmetricTensor)
-        return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"])
+        return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"],
+                      context.get("whole_rows", True), context.get("shared_scale", False))
 
     @classmethod
     def from_hp(cls, weight: torch.Tensor) -> "Int8SymmetricTensor":
@@ -165,9 +174,41 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         """The ``scale`` shape a tensor of ``shape`` with this tensor's scale layout has."""
         return torch.Size(size if self.scale_follows(d) else 1 for d, size in enumerate(shape))
 
-    def with_data(self, qdata: torch.Tensor, scale: torch.Tensor) -> "Int8SymmetricTensor":
-        """A tensor of this class and dtype around new ``qdata`` and ``scale``."""
-        return type(self)(qdata, scale, self.dtype)
+    def layout_flags(self) -> dict[str, bool]:
+        """Where this tensor's rows came from, which decides what an all-gather must move.
+
+        ``whole_rows``: it holds every row it was quantized with (true from :meth:`from_hp`;
+        a cut along a row dim makes pieces that do not). ``shared_scale``: it is a piece cut
+        along a feature dim (a dim the scale does not follow) from a tensor with whole rows, so
+        its sibling pieces, which DTensor hands the other ranks (``Shard(1)``: a Rowwise
+        weight), hold this very scale; gathering them moves only ``qdata``. Any other op's
+        result has neither (its scales may differ between ranks: the gather moves them).
+
+        Example::
+
+            >>> q = Int8SymmetricTensor.from_hp(torch.ones(4, 6))
+            >>> q.chunk(2, dim=1)[0].layout_flags(), q.chunk(2, dim=0)[0].layout_flags()
+            ({'whole_rows': True, 'shared_scale': True}, {'whole_rows': False, 'shared_scale': False})
+        """
+        return {"whole_rows": self.whole_rows, "shared_scale": self.shared_scale}
+
+    def with_data(self, qdata: torch.Tensor, scale: torch.Tensor, **flags: bool) -> "Int8SymmetricTensor":
+        """A tensor of this class and dtype around new ``qdata`` and ``scale``; its
+        :meth:`layout_flags` are ``flags`` (default: neither, what an op's result may claim)."""
+        flags = {"whole_rows": False, "shared_scale": False, **flags}
+        return type(self)(qdata, scale, self.dtype, flags["whole_rows"], flags["shared_scale"])
+
+    def piece_flags(self, dim: int) -> dict[str, bool]:
+        """The :meth:`layout_flags` of a piece cut from this tensor along ``dim``.
+
+        Example::
+
+            >>> Int8SymmetricTensor.from_hp(torch.ones(4, 6)).piece_flags(1)
+            {'whole_rows': True, 'shared_scale': True}
+        """
+        if self.scale_follows(dim):  # a row cut: the pieces hold different rows
+            return {"whole_rows": False, "shared_scale": False}
+        return {"whole_rows": self.whole_rows, "shared_scale": self.whole_rows}
 
     def __repr__(self) -> str:
         return (

@@ -21,7 +21,7 @@ A tutorial or benchmark runs as users run it (in the parent; ``ROOT`` is the rep
     out = run_script("benchmarks/halo_conv.py", "--quick", timeout=180).stdout
 """
 
-from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes
+from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes, wire_bytes
 from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
 from torch_tp.testing._fixtures import TOL, block_linear_fraction, markdown_tables, quantize_weights, small_llama, small_llama_args, tolerance
 from torch_tp.testing._on_ranks import on_ranks
@@ -65,6 +65,7 @@ __all__ = [
     "run_on_ranks",
     "run_script",
     "sent_bytes",
+    "wire_bytes",
     "shard_locally",
     "shutdown_pools",
     "small_llama",

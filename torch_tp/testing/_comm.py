@@ -1,5 +1,6 @@
 """Collective counting for distributed tests: :func:`comm_counts`,
-:func:`assert_comm_counts`, :func:`record_p2p` and :func:`communication_of`.
+:func:`assert_comm_counts`, :func:`record_p2p`, :func:`communication_of` and
+:func:`wire_bytes` (the bytes gloo was handed).
 
 Collectives may be given as op packets, op overloads or names, of the
 in-place c10d ops or of the functional collectives; they are normalized to one
@@ -9,6 +10,7 @@ short functional-collective name per communication (e.g. ``"all_reduce"``).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Mapping
@@ -17,7 +19,7 @@ from unittest import mock
 import torch.distributed as dist
 
 
-__all__ = ["assert_comm_counts", "comm_counts", "communication_of", "record_p2p", "sent_bytes"]
+__all__ = ["assert_comm_counts", "comm_counts", "communication_of", "record_p2p", "sent_bytes", "wire_bytes"]
 
 # In-place c10d ops (what torch.distributed.* calls dispatch to) -> the
 # functional-collective name for the same communication.
@@ -168,3 +170,35 @@ returned a view (those hooks make every module output one) is silenced too.
         counts["all_gather"] -= checks
         counts = {name: n for name, n in counts.items() if n} | {"agreement checks": checks}
     return sum(kind == "send" for kind, _, _ in p2p), counts
+
+
+#: Bytes per element of the dtypes the profiler names on gloo's events.
+_PROFILER_DTYPE_BYTES = {"signed char": 1, "unsigned char": 1, "bool": 1, "c10::Half": 2, "c10::BFloat16": 2,
+                         "short int": 2, "float": 4, "int": 4, "double": 8, "long int": 8}
+
+
+def wire_bytes(step: Callable[[], Any]) -> dict[str, int]:
+    """``{gloo collective: bytes this rank handed to it}`` while ``step()`` runs.
+
+    Read off the profiler's ``gloo:*`` events (their input's element count times its dtype's
+    size): gloo's own account of what it was given, below torch_tp, DTensor and the tensor
+    subclasses, so an independent count of what travels.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized gloo process group")
+        >>> wire_bytes(lambda: dist.all_reduce(torch.ones(3)))
+        {'all_reduce': 12}
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    counted: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("gloo:"):
+            name = event.name.removeprefix("gloo:")
+            size = sum(math.prod(shape) * _PROFILER_DTYPE_BYTES[dtype]
+                       for shape, dtype in zip(event.input_shapes, event.input_dtypes) if dtype)
+            counted[name] = counted.get(name, 0) + size
+    return counted
