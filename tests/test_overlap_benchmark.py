@@ -3,14 +3,16 @@
 ``overlap.py`` prints one table per op.
 
 Times are machine noise here and are not asserted. What is checked: both tables have every
-(world, shape) row, every time is positive, and the ``ideal`` column is
-``max(comm, compute) / (comm + compute)`` of the printed ``comm ms`` / ``compute ms``
-(up to their rounding), which always lies in ``[0.5, 1]``; likewise ``ring ideal``, which
-lies between ``ideal`` and 1. (The script itself checks fused == unfused before timing and
-exits non-zero if they differ.)
+(world, shape) row and the columns the docstring defines, every time and ratio is a positive
+number, and the bounds are what their formulas make of the printed ``comm ms`` and
+``compute ms`` (up to rounding), never of the unfused run: ``ideal ms`` is their max,
+``serial ms`` their sum, ``ring ms`` the ring's schedule, between the two; each ratio is
+its two printed cells' quotient. (The script itself checks fused == unfused before timing
+and exits non-zero if they differ.)
 """
 
 import itertools
+import operator
 from functools import partial
 
 import pytest
@@ -20,11 +22,14 @@ from torch_tp.testing import ScriptRun
 # subprocess runs of seconds to minutes: `pytest -m "not slow"` leaves them out
 pytestmark = pytest.mark.slow
 
-COLUMNS = ["world", "shape", "MiB sent", "unfused ms", "fused ms", "fused/unfused",
-           "comm ms", "compute ms", "ideal", "ring ideal"]
+COLUMNS = ["world", "shape", "MiB sent", "comm ms", "compute ms", "ideal ms", "ring ms", "serial ms",
+           "unfused ms", "fused ms", "ideal/fused", "ring/fused", "serial/unfused", "fused/unfused"]
 OPS = ("AG+MM", "MM+RS")
 QUICK_SHAPES = {"B1 S1024 K512 N128", "B2 S1024 K512 N256"}
-TIME_COLUMNS = ("unfused ms", "fused ms", "comm ms", "compute ms")
+TIME_COLUMNS = ("comm ms", "compute ms", "ideal ms", "ring ms", "serial ms", "unfused ms", "fused ms")
+# ratio column: (numerator, denominator), both printed columns
+RATIOS = {"ideal/fused": ("ideal ms", "fused ms"), "ring/fused": ("ring ms", "fused ms"),
+          "serial/unfused": ("serial ms", "unfused ms"), "fused/unfused": ("fused ms", "unfused ms")}
 
 
 QUICK = ScriptRun("benchmarks/overlap.py", "--quick", timeout=150)
@@ -49,7 +54,7 @@ def _tables(text: str) -> dict[str, list[dict[str, str]]]:
 def _rounded_range(f, *cells: str) -> tuple[float, float]:
     """Least and greatest ``f(*values)`` over the values that round to the printed ``cells``.
 
-    ``f`` must be monotonic in each argument (``max / sum`` and ``a / b`` are, for positive
+    ``f`` must be monotonic in each argument (the ring bound and ``a / b`` are, for positive
     values), so the corners of the rounding box bound it.
     """
     bounds = []
@@ -60,17 +65,13 @@ def _rounded_range(f, *cells: str) -> tuple[float, float]:
     return min(values), max(values)
 
 
-def _ideal(comm: float, compute: float) -> float:
-    return max(comm, compute) / (comm + compute)
-
-
-def _ring_ideal(world: int, comm: float, compute: float) -> float:
+def _ring(world: int, comm: float, compute: float) -> float:
     steps = world - 1
-    return (steps * max(comm / steps, compute / world) + compute / world) / (comm + compute)
+    return steps * max(comm / steps, compute / world) + compute / world
 
 
-def _ratio(fused: float, unfused: float) -> float:
-    return fused / unfused
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator
 
 
 def _agrees(printed: str, f, *cells: str) -> bool:
@@ -80,7 +81,7 @@ def _agrees(printed: str, f, *cells: str) -> bool:
 
 
 @pytest.mark.script_runs(QUICK)
-def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio():
+def test_quick_overlap_benchmark_prints_both_tables_with_bounds_from_comm_and_compute_alone():
     out = QUICK.result().stdout
     assert "check_shapes=False" in out, out
     tables = _tables(out)
@@ -90,14 +91,19 @@ def test_quick_overlap_benchmark_prints_both_tables_with_consistent_ideal_ratio(
         assert rows and rows[0]["__header__"] == COLUMNS, (op, out)
         assert {(int(r["world"]), r["shape"]) for r in rows} == {(w, s) for w in (2, 4) for s in QUICK_SHAPES}, out
         for row in rows:
-            for column in TIME_COLUMNS:
-                assert float(row[column]) > 0, (op, row, out)
-            assert float(row["MiB sent"]) > 0, (op, row, out)
-            assert _agrees(row["ideal"], _ideal, row["comm ms"], row["compute ms"]), (op, row, out)
-            ring = partial(_ring_ideal, int(row["world"]))
-            assert _agrees(row["ring ideal"], ring, row["comm ms"], row["compute ms"]), (op, row, out)
-            assert 0.5 <= float(row["ideal"]) <= float(row["ring ideal"]) <= 1, (op, row, out)
-            assert _agrees(row["fused/unfused"], _ratio, row["fused ms"], row["unfused ms"]), (op, row, out)
+            for column in ("MiB sent", *TIME_COLUMNS, *RATIOS):
+                assert float(row[column]) > 0, (op, column, row, out)
+            comm, compute = row["comm ms"], row["compute ms"]
+            # rounding is monotonic: the max of the rounded cells is the rounded max
+            assert float(row["ideal ms"]) == max(float(comm), float(compute)), (op, row, out)
+            assert _agrees(row["serial ms"], operator.add, comm, compute), (op, row, out)
+            low, high = _rounded_range(partial(_ring, int(row["world"])), comm, compute)
+            assert low - 0.005 <= float(row["ring ms"]) <= high + 0.005, (op, row, out)
+            # up to rounding (the ring's formula equals the max or the sum exactly at its ends)
+            ideal, ring, serial = (float(row[c]) for c in ("ideal ms", "ring ms", "serial ms"))
+            assert ideal - 0.01 <= ring <= serial + 0.01, (op, row, out)
+            for column, (numerator, denominator) in RATIOS.items():
+                assert _agrees(row[column], _ratio, row[numerator], row[denominator]), (op, column, row, out)
 
 
 @pytest.mark.script_runs(QUICK_LLAMA)
