@@ -1,6 +1,7 @@
 """``torch.compile(fullgraph=True)`` of the TP + SP Llama-style model, with and without overlap.
 
-Four variants (float32 / int8 weights x ``overlap`` off / on), each compiled with the
+Six variants (float32 / int8 weights x ``overlap`` off / on / int8 communication
+(``comm_dtype=torch.int8``)), each compiled with the
 ``inductor`` CPU backend on 2 gloo ranks. Compiled forward output and every gradient after
 backward must equal eager's (1e-5), and dynamo's counters of the compile must see one graph and no
 graph break (``fullgraph=True`` would also fail on a break). The compiled model runs as many
@@ -41,7 +42,8 @@ def _model(quantized, overlap):
     model = small_llama(seed=0, n_layers=1)
     if quantized:
         quantize_weights(model)
-    return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, overlap=overlap))
+    options = dict(comm_dtype=torch.int8) if overlap == "int8 comm" else dict(overlap=overlap)
+    return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, **options))
 
 
 def _loss(model, tokens, targets):
@@ -93,13 +95,21 @@ def _compiled_matches_eager(quantized, overlap):
     return _custom_op_nodes(graphs)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "int8 comm"], ids=["unfused", "overlap", "int8 comm"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
 @on_ranks(2)
 def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(quantized, overlap):
     nodes = _compiled_matches_eager(quantized, overlap)
     if not overlap:
         assert nodes == []
+        return
+    if overlap == "int8 comm":  # comm_dtype=torch.int8: each sequence-parallel collective one int8 op
+        # forward: 3 gathers (wq/wk/wv shared, w1/w3 shared, the head), 3 reduce-scatters (the
+        # embedding, wo, w2); backward: each one's gradient through the other (an int8 embedding
+        # is frozen: nothing flows back to its reduce-scatter)
+        gathers, scatters = nodes.count("torch_tp.int8_all_gather.default"), nodes.count("torch_tp.int8_reduce_scatter.default")
+        assert (gathers, scatters) == (3 + (2 if quantized else 3), 3 + 3), nodes
+        assert len(nodes) == gathers + scatters, nodes
         return
     # forward: 3 fused gathers (wq/wk/wv shared, w1/w3 shared, the output head) and 2 fused
     # reduce-scatters (wo, w2); backward: each reduce-scatter's input gradient is a fused

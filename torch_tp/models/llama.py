@@ -233,7 +233,13 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def _require_torch_tp_options(sequence_parallel: bool, overlap: bool, qk_norm: bool, styles: ModuleType) -> None:
+def _require_torch_tp_options(sequence_parallel: bool, overlap: bool, qk_norm: bool, styles: ModuleType,
+                              comm_dtype: torch.dtype | None = None) -> None:
+    if comm_dtype is not None and (not sequence_parallel or styles is not _torch_tp_styles):
+        raise ValueError(
+            f"torch_tp.models.llama: comm_dtype={comm_dtype} quantizes the sequence-parallel collectives of "
+            f"torch_tp's styles; pass sequence_parallel=True (and torch_tp's styles), or comm_dtype=None"
+        )
     if overlap and not sequence_parallel:
         raise ValueError(
             "overlap=True fuses the sequence-parallel all-gathers and reduce-scatters into the "
@@ -252,6 +258,7 @@ def block_tensor_parallel_plan(
     qk_norm: bool = False,
     prefix: str = "",
     styles: ModuleType = _torch_tp_styles,
+    comm_dtype: torch.dtype | None = None,
 ) -> dict[str, ParallelStyle]:
     """The plan for one :class:`TransformerBlock` (keys relative to the block, or under ``prefix``).
 
@@ -267,6 +274,11 @@ def block_tensor_parallel_plan(
     ``docs/overlap.md``): the same bytes as the unfused plan,
     every transfer overlapping a matmul.
 
+    ``comm_dtype=torch.int8`` (with ``sequence_parallel=True``) moves every sequence-parallel
+    all-gather and reduce-scatter as int8 with one float32 scale per token (the styles'
+    ``comm_dtype``): the block inputs stay sequence-sharded and wq/wk/wv (w1/w3) share one
+    int8 gather, so the collectives are the unfused plan's, a quarter of the bytes.
+
     ``qk_norm=True`` (a model built with ``ModelArgs(qk_norm=True)``) runs the per-head
     ``q_norm``/``k_norm`` on the local heads with replicated weights whose gradients are
     summed over the ranks: ``ReplicateParallel(input_layouts=Shard(2))``.
@@ -278,15 +290,16 @@ def block_tensor_parallel_plan(
         >>> block_tensor_parallel_plan(sequence_parallel=True, overlap=True)["attention.wo"]
         RowwiseParallel(input_layouts=None, output_layouts=Shard(dim=1), use_local_output=True, overlap=True)
     """
-    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles)
+    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles, comm_dtype)
     between = Shard(1) if sequence_parallel else Replicate()
     # Unfused: one DTensor input per module, gathered once: wq/wk/wv (w1/w3) share it, so
     # their input grads are summed as partial sums and reduced by a single collective.
-    # Fused: the input stays sequence-sharded; the sibling Colwise layers gather it in one
-    # fused op, and their input grads are reduce-scattered in one fused op.
-    block_input = between if overlap else Replicate()
-    colwise = styles.ColwiseParallel(input_layouts=between, overlap=True) if overlap else styles.ColwiseParallel()
-    fused = dict(overlap=True) if overlap else {}
+    # Fused (or int8): the input stays sequence-sharded; the sibling Colwise layers gather it
+    # in one shared op, and their input grads are reduce-scattered in one op.
+    gathers_itself = overlap or comm_dtype is not None
+    block_input = between if gathers_itself else Replicate()
+    fused = dict(overlap=True) if overlap else dict(comm_dtype=comm_dtype) if comm_dtype is not None else {}
+    colwise = styles.ColwiseParallel(input_layouts=between, **fused) if gathers_itself else styles.ColwiseParallel()
     plan: dict[str, ParallelStyle] = {
         "attention": styles.PrepareModuleInput(
             input_layouts=(between, None), desired_input_layouts=(block_input, None)
@@ -313,13 +326,15 @@ def tensor_parallel_plan(
     overlap: bool = False,
     qk_norm: bool = False,
     styles: ModuleType = _torch_tp_styles,
+    comm_dtype: torch.dtype | None = None,
 ) -> dict[str, ParallelStyle]:
     """torch_tp's documented tensor-parallel plan for :class:`Transformer`.
 
     The output head returns replicated logits, so the loss is computed as in a
-    single-process model. ``overlap``, ``qk_norm`` and ``styles`` as in
+    single-process model. ``overlap``, ``qk_norm``, ``comm_dtype`` and ``styles`` as in
     :func:`block_tensor_parallel_plan` (with ``overlap=True`` the output head fuses its input
-    all-gather too). A model with ``tie_embeddings`` keeps its tie: the embedding
+    all-gather too; with ``comm_dtype=torch.int8`` the embedding's reduce-scatter and the
+    head's all-gather move int8 too). A model with ``tie_embeddings`` keeps its tie: the embedding
     (``RowwiseParallel``) and the head (``ColwiseParallel``) both place the weight as ``Shard(0)``.
 
     Example::
@@ -328,15 +343,17 @@ def tensor_parallel_plan(
         >>> plan["norm"]
         SequenceParallel(sequence_dim=1, use_local_output=False)
     """
-    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles)
+    _require_torch_tp_options(sequence_parallel, overlap, qk_norm, styles, comm_dtype)
     between = Shard(1) if sequence_parallel else Replicate()
     fused = dict(overlap=True) if overlap else {}
+    int8 = dict(comm_dtype=comm_dtype) if comm_dtype is not None else {}
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": styles.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "tok_embeddings": styles.RowwiseParallel(input_layouts=Replicate(), output_layouts=between, **int8),
         **block_tensor_parallel_plan(
-            sequence_parallel=sequence_parallel, overlap=overlap, qk_norm=qk_norm, prefix="layers.*.", styles=styles
+            sequence_parallel=sequence_parallel, overlap=overlap, qk_norm=qk_norm, prefix="layers.*.", styles=styles,
+            comm_dtype=comm_dtype,
         ),
-        "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate(), **fused),
+        "output": styles.ColwiseParallel(input_layouts=between, output_layouts=Replicate(), **fused, **int8),
     }
     if sequence_parallel:
         plan["norm"] = styles.SequenceParallel()

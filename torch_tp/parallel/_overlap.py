@@ -31,7 +31,7 @@ import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
 from torch_tp._layouts import redistribute_to, replace_forward, to_dtensor
 from torch_tp.parallel import rules
 
-__all__ = ["SharedGather", "install_colwise", "install_rowwise", "share_gather"]
+__all__ = ["SharedGather", "install_colwise", "install_rowwise", "same_input", "share_gather"]
 
 
 # ------------------------------------------------------------------ colwise
@@ -49,7 +49,7 @@ def _fused_colwise_outputs(layers: list[nn.Linear], x: DTensor, dim: int, group_
     return outputs
 
 
-def _same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two inputs are one value: the same tensor, or views of the same memory.
 
     Full backward hooks (``CommDebugMode``'s module tracker) hand every module call an alias
@@ -97,7 +97,7 @@ class SharedGather:
 
     def output(self, index: int, raw: torch.Tensor, x: DTensor, dim: int, group_name: str) -> DTensor:
         """Member ``index``'s output on ``x`` (made of ``raw``): taken from the round, or a new round."""
-        if self.pending is None or self.pending[index] is None or not _same_input(raw, self.input):
+        if self.pending is None or self.pending[index] is None or not same_input(raw, self.input):
             if self.pending is not None:
                 self._warn_recomputed()
             self.input, self.pending = raw, _fused_colwise_outputs(self.members, x, dim, group_name)

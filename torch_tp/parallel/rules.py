@@ -58,6 +58,7 @@ __all__ = [
     "paired_layouts",
     "kwarg_layouts",
     "overlap_layout",
+    "comm_dtype",
     "packed_parts",
     "require_1d_mesh",
     "require_tensor_input",
@@ -429,6 +430,40 @@ def kwarg_layouts(layouts: Mapping | None, desired: Mapping | None) -> tuple[dic
     return dict(layouts or {}), dict(desired or {})
 
 
+def comm_dtype(value: object, layout: Placement | None, argument: str, style: str, *, overlap: bool) -> torch.dtype | None:
+    """``comm_dtype`` of a style: ``None`` (the activation's dtype) or ``torch.int8``, and only
+    on a style whose ``argument`` layout makes a sequence-parallel collective (``Shard(d)`` of
+    a leading dim), without ``overlap``.
+
+    Example::
+
+        >>> comm_dtype(torch.int8, Shard(1), "input_layouts", "ColwiseParallel", overlap=False)
+        torch.int8
+        >>> comm_dtype(torch.float16, Shard(1), "input_layouts", "ColwiseParallel", overlap=False)
+        Traceback (most recent call last):
+        TypeError: ColwiseParallel(comm_dtype=torch.float16): comm_dtype takes torch.int8 or None ...
+    """
+    if value is None:
+        return None
+    if value is not torch.int8:
+        raise TypeError(
+            f"{style}(comm_dtype={value!r}): comm_dtype takes torch.int8 or None (the activation's own "
+            f"dtype); the sequence-parallel collectives move int8 values with one float32 scale per token"
+        )
+    if not isinstance(layout, Shard) or layout.dim == -1:
+        raise ValueError(
+            f"{style}(comm_dtype=torch.int8, {argument}={layout}): comm_dtype quantizes a sequence-parallel "
+            f"collective, and {argument}={layout} makes none; set {argument}=Shard(1) (the sequence) or "
+            f"leave comm_dtype=None"
+        )
+    if overlap:
+        raise NotImplementedError(
+            f"{style}(comm_dtype=torch.int8, overlap=True): the fused ring does not move int8 yet; "
+            f"use overlap=False with comm_dtype, or comm_dtype=None with overlap"
+        )
+    return value
+
+
 def overlap_layout(layout: Placement | None, argument: str, style: str, what: str) -> None:
     """``overlap=True`` needs a sequence-sharded activation: ``Shard(d)`` on a leading dim.
 
@@ -500,7 +535,7 @@ def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module
 
 
 def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
-                  overlap: bool = False, packed: int = 1) -> None:
+                  overlap: bool = False, packed: int = 1, comm_dtype: torch.dtype | None = None) -> None:
     """Raise if ``ColwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     It splits an ``nn.Linear``'s output features (weight dim 0) or an ``nn.Embedding``'s
@@ -517,10 +552,14 @@ def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     _check_linear_or_embedding(
         module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap, packed=packed
     )
+    if comm_dtype is not None:  # the int8 gather runs a forward of its own: nn.Linear's
+        _require_linear(module, "ColwiseParallel", "comm_dtype=torch.int8",
+                        "gathers the input as int8 and runs nn.Linear's matmul on it", "comm_dtype=None", module_path)
+        _require_linear_forward(module, "ColwiseParallel", module_path, setting="comm_dtype=torch.int8")
 
 
 def check_rowwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
-                  overlap: bool = False, packed: int = 1) -> None:
+                  overlap: bool = False, packed: int = 1, comm_dtype: torch.dtype | None = None) -> None:
     """Raise if ``RowwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     It splits an ``nn.Linear``'s input features (weight dim 1) or an ``nn.Embedding``'s
@@ -582,15 +621,16 @@ def _require_linear(module: nn.Module, style: str, setting: str, why: str, fix: 
         )
 
 
-def _require_linear_forward(module: nn.Module, style: str, module_path) -> None:
-    """``overlap=True`` runs the fused ``F.linear``, not the module's forward: a subclass with a
-    forward of its own (a scale, an activation after the matmul) would silently lose it."""
+def _require_linear_forward(module: nn.Module, style: str, module_path, setting: str = "overlap=True") -> None:
+    """``overlap=True`` (and ``comm_dtype``) run ``F.linear``, not the module's forward: a subclass
+    with a forward of its own (a scale, an activation after the matmul) would silently lose it."""
     if type(module).forward is not nn.Linear.forward:
+        default = setting.split("=")[0] + ("=False" if setting.startswith("overlap") else "=None")
         raise UnsupportedModuleError(
-            f"{style}(overlap=True) cannot handle {describe(module, module_path)}: "
+            f"{style}({setting}) cannot handle {describe(module, module_path)}: "
             f"{type(module).__qualname__} has its own forward, which the fused all-gather/matmul "
             f"would replace with nn.Linear's (whatever else it computes would be lost); use "
-            f"overlap=False for this module"
+            f"{default} for this module"
         )
 
 

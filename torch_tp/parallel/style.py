@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward
-from torch_tp.parallel import _overlap, rules
+from torch_tp.parallel import _int8_comm, _overlap, rules
 from torch_tp.parallel._style_base import ParallelStyle
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
@@ -218,7 +218,8 @@ class _LinearStyle(ParallelStyle):
     use_local_output: bool = True
     overlap: bool = False
     packed: int = 1
-    _additive_defaults: ClassVar[dict[str, Any]] = {"overlap": False, "packed": 1}
+    comm_dtype: torch.dtype | None = None
+    _additive_defaults: ClassVar[dict[str, Any]] = {"overlap": False, "packed": 1, "comm_dtype": None}
     #: (input_layouts, output_layouts) defaults; the layout overlap=True fuses, and what it fuses
     _defaults: ClassVar[tuple[Placement | None, Placement]]
     _overlapped: ClassVar[tuple[str, str]]
@@ -233,6 +234,8 @@ class _LinearStyle(ParallelStyle):
             argument, what = self._overlapped
             rules.overlap_layout(getattr(self, argument), argument, name, what)
         self.packed = rules.packed_parts(self.packed, name, overlap=self.overlap)
+        argument = self._overlapped[0]
+        self.comm_dtype = rules.comm_dtype(self.comm_dtype, getattr(self, argument), argument, name, overlap=self.overlap)
 
 
 class ColwiseParallel(_LinearStyle):
@@ -262,6 +265,12 @@ class ColwiseParallel(_LinearStyle):
             rank holds its slice of every part, so the local output is
             ``[gate local, up local]`` and a forward that splits it with ``chunk(k, dim=-1)``
             works unchanged. Linear only; not with ``overlap``. Default ``1``.
+        comm_dtype (torch.dtype, optional): torch_tp only. ``torch.int8``, with a
+            sequence-sharded input (``input_layouts=Shard(1)``): the input all-gather moves
+            each token as int8 with one float32 scale (and the input gradient's
+            reduce-scatter too; :mod:`torch_tp.parallel._int8_comm`), about a quarter of the
+            float32 bytes, within half a quantization step per element. ``nn.Linear`` only;
+            not with ``overlap``. Default ``None`` (the activation's dtype).
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -288,12 +297,15 @@ class ColwiseParallel(_LinearStyle):
         return rules.colwise_placements(module, self.packed)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed)
+        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed,
+                            comm_dtype=self.comm_dtype)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         distribute_parameters(module, rules.colwise_placements(module, self.packed), device_mesh, src_data_rank)
         if self.overlap:
             _overlap.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
+        elif self.comm_dtype is not None:
+            _int8_comm.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
         else:
             module.register_forward_pre_hook(partial(
                 _sharded_input, device_mesh=device_mesh, layout=self.input_layouts, desired=Replicate(),
@@ -310,6 +322,8 @@ class ColwiseParallel(_LinearStyle):
     def link_siblings(self, modules, where):
         if self.overlap and len(modules) > 1:
             _overlap.share_gather(modules, where)
+        elif self.comm_dtype is not None and len(modules) > 1:
+            _int8_comm.share_gather(modules)
 
 
 class RowwiseParallel(_LinearStyle):
@@ -340,6 +354,12 @@ class RowwiseParallel(_LinearStyle):
             local input is ``[part_0 local, ..., part_k local]`` on the last dim, as a
             ``ColwiseParallel(packed=k)`` layer hands it on. The bias stays replicated.
             Linear only; not with ``overlap``. Default ``1``.
+        comm_dtype (torch.dtype, optional): torch_tp only. ``torch.int8``, with a
+            sequence-sharded output (``output_layouts=Shard(1)``): the reduce-scatter moves
+            each rank's partial sums as int8 with one float32 scale per token (an all-to-all,
+            summed in float32 on arrival), and the output gradient's all-gather moves int8
+            too (:mod:`torch_tp.parallel._int8_comm`). Linear and Embedding; not with
+            ``overlap``. Default ``None`` (the activation's dtype).
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -364,7 +384,8 @@ class RowwiseParallel(_LinearStyle):
         return rules.rowwise_placements(module, self.packed)
 
     def check(self, module, device_mesh, module_path=None):
-        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed)
+        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed,
+                            comm_dtype=self.comm_dtype)
 
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         is_embedding = isinstance(module, nn.Embedding)
@@ -380,9 +401,13 @@ class RowwiseParallel(_LinearStyle):
         if is_embedding and type(module).forward is nn.Embedding.forward:
             # a subclass's own forward (Gemma scales the rows) keeps DTensor's embedding rule
             replace_forward(module, vocab_parallel_lookup, device_mesh=device_mesh)
-        module.register_forward_hook(
-            partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
-        )
+        if self.comm_dtype is not None:
+            _int8_comm.install_rowwise_output(module, device_mesh, layout=self.output_layouts,
+                                              use_local_output=self.use_local_output, module_path=module_path)
+        else:
+            module.register_forward_hook(
+                partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
+            )
         name_plain_tensors_on_error(module, "RowwiseParallel", module_path, alternative=None)
         rules.mark_prepared(module, rules.BOTH_STAGES, "RowwiseParallel")
         return module

@@ -1,0 +1,303 @@
+"""Sequence-parallel collectives that move int8: ``comm_dtype=torch.int8`` on the styles.
+
+==========================================  ==============================================  ==============================
+op                                          forward                                         backward
+==========================================  ==============================================  ==============================
+``torch_tp::int8_all_gather(x, dim, g)``    every token (a row of the last dim) quantized   ``int8_reduce_scatter`` of the
+                                            (symmetric, one float32 scale per token), the   gradient
+                                            int8 rows and their scales packed in one
+                                            buffer, one all-gather, dequantized in place
+``torch_tp::int8_reduce_scatter(x, dim,     ``x`` cut into the ranks' chunks along ``dim``, ``int8_all_gather`` of the
+g)``                                        each chunk quantized per token, one             gradient
+                                            all-to-all of the packed chunks, each rank's
+                                            received chunks dequantized and summed in
+                                            float32
+==========================================  ==============================================  ==============================
+
+What travels per token of ``E`` features: ``E`` int8 bytes and one 4-byte scale, against
+``4 E`` (float32) or ``2 E`` (bfloat16) bytes: ``(E + 4) / 4E`` of float32, 0.258 at
+``E = 128``. The error: each element is within half a step (``amax / 254`` of its token) of
+the value sent; a reduce-scatter adds the ranks' rounding errors (each partial sum is
+quantized once, before the sum), so its error grows with the ranks, not with the hops.
+
+Each op is one c10d collective, waited before it returns (two functional collectives in
+flight at once over gloo corrupt the heap in torch 2.13: :mod:`torch_tp.quant._ops_collective`).
+Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces
+each call as one node (no graph break), and each other's autograd.
+
+Example::
+
+    >>> # xdoctest: +SKIP("needs an initialized process group")
+    >>> full = torch.ops.torch_tp.int8_all_gather(x_local, 1, group.group_name)   # (B, T, E)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, to_dtensor
+from torch_tp.parallel import rules
+
+__all__ = ["COMM_DTYPES", "SharedGather", "dequantize_tokens", "install_colwise", "install_rowwise_output",
+           "quantize_tokens", "share_gather"]
+
+#: The ``comm_dtype`` values the styles take (``None``: the activation's own dtype).
+COMM_DTYPES = (torch.int8,)
+
+_QMAX = 127.0
+
+
+def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(int8 values, float32 scale per token)`` of ``x``: symmetric, one scale per row of its
+    last dim (``amax / 127``; a row of zeros gets scale 1).
+
+    Example::
+
+        >>> q, scale = quantize_tokens(torch.tensor([[1.0, -0.5], [0.0, 0.0]]))
+        >>> q.tolist(), scale.flatten().tolist()
+        ([[127, -64], [0, 0]], [0.007874015718698502, 1.0])
+    """
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
+    return torch.clamp(torch.round(x32 / scale), -_QMAX, _QMAX).to(torch.int8), scale
+
+
+def dequantize_tokens(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q * scale`` as ``dtype``.
+
+    Example::
+
+        >>> dequantize_tokens(torch.tensor([[127, -64]], dtype=torch.int8), torch.tensor([[0.5]]), torch.float32)
+        tensor([[ 63.5000, -32.0000]])
+    """
+    return (q.float() * scale).to(dtype)
+
+
+def _packed(x: Tensor) -> Tensor:
+    """``x`` (``(..., E)``) quantized per token, as one int8 row per leading index: the int8
+    values, then the scales' bytes."""
+    q, scale = quantize_tokens(x)
+    rows = x.shape[0]
+    return torch.cat([q.reshape(rows, -1), scale.reshape(rows, -1).view(torch.int8)], dim=1)
+
+
+def _unpacked(packed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
+    """The inverse of :func:`_packed`: ``packed`` ``(rows, bytes)`` back to floats of ``shape``."""
+    per_row = _numel(shape[1:])
+    q = packed[:, :per_row].reshape(shape)
+    scale = packed[:, per_row:].contiguous().view(torch.float32).reshape(*shape[:-1], 1)
+    return dequantize_tokens(q, scale, dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _check(x: Tensor, dim: int, op: str) -> None:
+    if not 0 <= dim < x.ndim - 1:
+        raise ValueError(
+            f"torch_tp.parallel._int8_comm.{op}: dim={dim} for an input of shape {tuple(x.shape)}: it must be "
+            f"a leading dim (the sequence), not the features, which are quantized per token"
+        )
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"torch_tp.parallel._int8_comm.{op}: the input must be floating point, got {x.dtype}")
+
+
+# ------------------------------------------------------------------ all-gather
+
+
+@torch.library.custom_op("torch_tp::int8_all_gather", mutates_args=())
+def _int8_all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
+    _check(x, dim, "int8_all_gather")
+    group = _resolve_process_group(group_name)
+    world = group.size()
+    front = x.movedim(dim, 0).contiguous()
+    packed = _packed(front)
+    gathered = packed.new_empty(world * packed.shape[0], packed.shape[1])
+    dist.all_gather_into_tensor(gathered, packed, group=group)
+    whole = _unpacked(gathered, [world * front.shape[0], *front.shape[1:]], x.dtype)
+    return whole.movedim(0, dim).contiguous()
+
+
+@_int8_all_gather.register_fake
+def _int8_all_gather_fake(x, dim, group_name):
+    _check(x, dim, "int8_all_gather")
+    shape = list(x.shape)
+    shape[dim] *= _resolve_process_group(group_name).size()
+    return x.new_empty(shape)
+
+
+def _all_gather_backward(ctx, grad):
+    return torch.ops.torch_tp.int8_reduce_scatter(grad, ctx.dim, ctx.group_name), None, None
+
+
+def _setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name = inputs
+
+
+_int8_all_gather.register_autograd(_all_gather_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ reduce-scatter
+
+
+@torch.library.custom_op("torch_tp::int8_reduce_scatter", mutates_args=())
+def _int8_reduce_scatter(x: Tensor, dim: int, group_name: str) -> Tensor:
+    _check(x, dim, "int8_reduce_scatter")
+    group = _resolve_process_group(group_name)
+    world = group.size()
+    _check_even(x, dim, world)
+    front = x.movedim(dim, 0).contiguous()
+    chunk = [front.shape[0] // world, *front.shape[1:]]
+    packed = _packed(front.reshape(world, *chunk).flatten(1, -2))
+    received = torch.empty_like(packed)
+    dist.all_to_all_single(received, packed, group=group)
+    parts = _unpacked(received, [world, _numel(chunk[:-1]), chunk[-1]], torch.float32)
+    return parts.sum(0).reshape(chunk).to(x.dtype).movedim(0, dim).contiguous()
+
+
+def _check_even(x: Tensor, dim: int, world: int) -> None:
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"torch_tp.parallel._int8_comm.int8_reduce_scatter: dim {dim} of the input has size {x.shape[dim]}, "
+            f"which does not split evenly over {world} ranks; use a sequence length that does, or comm_dtype=None"
+        )
+
+
+@_int8_reduce_scatter.register_fake
+def _int8_reduce_scatter_fake(x, dim, group_name):
+    _check(x, dim, "int8_reduce_scatter")
+    world = _resolve_process_group(group_name).size()
+    _check_even(x, dim, world)
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return torch.ops.torch_tp.int8_all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+_int8_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ the styles' forwards
+
+
+def _colwise_forward(module: nn.Linear, x, *, device_mesh: DeviceMesh, layout: Shard, group_name: str, module_path):
+    """``ColwiseParallel(comm_dtype=torch.int8)``: the sequence-sharded input gathered as int8,
+    then ``nn.Linear``'s matmul on the local weight shard; the output is the DTensor the float
+    layer gives (``Shard(-1)``)."""
+    raw = rules.require_first_input((x,), module, module_path, "ColwiseParallel")
+    what = f"ColwiseParallel(comm_dtype=torch.int8) on {rules.describe(module, module_path)}"
+    x = redistribute_to(raw, layout) if isinstance(raw, DTensor) else agreed_dtensor(raw, device_mesh, layout, what=what)
+    dim = layout.dim % x.ndim
+    _require_even(x, dim, device_mesh.size(), what)
+    shared = getattr(module, "_torch_tp_int8_gather", None)
+    if shared is not None:
+        whole = shared.gathered(module, raw, lambda: torch.ops.torch_tp.int8_all_gather(x.to_local(), dim, group_name))
+    else:
+        whole = torch.ops.torch_tp.int8_all_gather(x.to_local(), dim, group_name)
+    bias = None if module.bias is None else module.bias.to_local()
+    y = F.linear(whole, module.weight.to_local(), bias)
+    return to_dtensor(y, device_mesh, Shard(y.ndim - 1), sharded_dim_size=module.out_features)
+
+
+class SharedGather:
+    """Sibling ``ColwiseParallel(comm_dtype=torch.int8)`` layers that read one input (wq/wk/wv,
+    w1/w3) gather it once: the first member called gathers, the others called on the same
+    input take the gathered tensor, whose gradient autograd sums over the members before its
+    one int8 reduce-scatter. A member called on another input, or twice, gathers anew.
+
+    Example::
+
+        >>> group = SharedGather([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        >>> x = torch.ones(2)
+        >>> group.gathered(group.members[0], x, lambda: x * 2) is group.gathered(group.members[1], x, lambda: x * 3)
+        True
+    """
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.input: torch.Tensor | None = None
+        self.whole: torch.Tensor | None = None
+        self.served: set[int] = set()
+
+    def gathered(self, member: nn.Module, raw: torch.Tensor, gather) -> torch.Tensor:
+        """``member``'s gathered input: this round's if ``raw`` is its input and ``member`` has not taken it."""
+        from torch_tp.parallel._overlap import same_input
+
+        key = id(member)
+        if self.whole is None or key in self.served or not same_input(raw, self.input):
+            self.input, self.whole, self.served = raw, gather(), set()
+        self.served.add(key)
+        whole = self.whole
+        if len(self.served) == len(self.members):  # every member served: let the tensors go
+            self.input = self.whole = None
+            self.served = set()
+        return whole
+
+
+def share_gather(members: list[nn.Module]) -> SharedGather:
+    """Make the ``ColwiseParallel(comm_dtype=torch.int8)`` siblings ``members`` share one int8 gather."""
+    group = SharedGather(list(members))
+    for member in members:
+        member._torch_tp_int8_gather = group
+    return group
+
+
+def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path) -> None:
+    """Install the forward of ``ColwiseParallel(comm_dtype=torch.int8)`` (no input pre-hook:
+    the forward annotates a plain input as ``layout`` itself)."""
+    replace_forward(module, _colwise_forward, device_mesh=device_mesh, layout=layout,
+                    group_name=device_mesh.get_group().group_name, module_path=module_path)
+
+
+def _rowwise_output(module, inputs, output, *, device_mesh: DeviceMesh, layout: Shard, use_local_output: bool,
+                    group_name: str, module_path):
+    """``RowwiseParallel(comm_dtype=torch.int8)``'s output hook: the partial sums reduce-scattered
+    as int8 along the sequence; the output gradient arrives whole on every rank (its int8
+    all-gather), which is each rank's partial sum's gradient."""
+    what = f"RowwiseParallel(comm_dtype=torch.int8) on {rules.describe(module, module_path)}"
+    if tuple(output.placements) != (Partial(),):
+        raise RuntimeError(
+            f"torch_tp.parallel._int8_comm: {what}: the layer's output is {output.placements}, not the partial "
+            f"sums the int8 reduce-scatter takes; use comm_dtype=None for this module"
+        )
+    dim = layout.dim % output.ndim
+    _require_even(output, dim, device_mesh.size(), what)
+    y = torch.ops.torch_tp.int8_reduce_scatter(output.to_local(grad_placements=(Replicate(),)), dim, group_name)
+    return finish_output(to_dtensor(y, device_mesh, Shard(dim), sharded_dim_size=output.shape[dim]), use_local_output)
+
+
+def install_rowwise_output(module: nn.Module, device_mesh: DeviceMesh, *, layout: Shard, use_local_output: bool,
+                           module_path) -> None:
+    """Register the output hook of ``RowwiseParallel(comm_dtype=torch.int8)``."""
+    module.register_forward_hook(partial(
+        _rowwise_output, device_mesh=device_mesh, layout=layout, use_local_output=use_local_output,
+        group_name=device_mesh.get_group().group_name, module_path=module_path,
+    ))
+
+
+def _require_even(x: DTensor, dim: int, ranks: int, what: str) -> None:
+    """The int8 collectives move equal pieces: a sequence the ranks cannot split evenly is
+    refused on every rank alike (the global shape is agreed) before anything is sent."""
+    if x.shape[dim] % ranks:
+        raise ValueError(
+            f"{what}: the sequence (dim {dim}) has {x.shape[dim]} positions, which {ranks} ranks cannot split "
+            f"evenly; the int8 collectives move equal pieces: pad the sequence to a multiple of {ranks}, "
+            f"or use comm_dtype=None"
+        )
