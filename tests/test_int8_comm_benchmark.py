@@ -19,7 +19,7 @@ def test_quick_int8_comm_benchmark_reports_bytes_error_and_the_loss_curve():
     curve, layers = markdown_tables(out)
     (row,) = curve
     assert float(row["ratio"]) <= 0.27 and float(row["bf16 ratio"]) <= 0.52, out
-    assert int(row["bytes int8"]) > 0 and float(row["loss last"]) < float(row["loss first"]), out
-    assert float(row["max curve diff"].rstrip("%")) < 1.0, out
+    assert int(row["bytes int8"]) > 0 and float(row["loss last int8"]) < float(row["loss first"]), out
+    assert float(row["max diff / first"].rstrip("%")) < 1.0 and float(row["max diff / loss"].rstrip("%")) < 1.0, out
     assert {r["layer"] for r in layers} >= {"tok_embeddings", "layers.0.attention.wo", "layers.0.feed_forward.w2", "output"}, out
     assert all(0 < float(r["output error"]) < 0.05 for r in layers), out

@@ -10,7 +10,8 @@ moves between plain tensors and DTensors.
 
 Every style's forward hooks reduce to these moves. The functions are module-level (the
 styles bind them with keyword :func:`functools.partial`) so that ``torch.compile``
-traces them without graph breaks. :func:`agreed_dtensor` annotates a plain tensor that claims
+traces them without graph breaks. :func:`same_input` says whether two inputs are one value
+(siblings sharing one gather). :func:`agreed_dtensor` annotates a plain tensor that claims
 to be this rank's shard only after the ranks agree on it (the sizes of the collectives that
 follow come from it). This module imports only :mod:`torch_tp._agreement` from torch_tp.
 """
@@ -27,7 +28,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._agreement import Fact, check_on_every_rank
 
-__all__ = ["agreed_dtensor", "shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward"]
+__all__ = [
+    "agreed_dtensor", "shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward",
+    "same_input",
+]
 
 
 def shard_bounds(size: int, num_ranks: int) -> list[tuple[int, int]]:
@@ -216,3 +220,30 @@ def replace_forward(module: torch.nn.Module, forward, **bound) -> None:
         [2.0, 2.0]
     """
     module.forward = partial(forward, module, **bound)
+
+
+def same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two inputs are one value: the same tensor, or views of the same memory.
+
+    Full backward hooks (``CommDebugMode``'s module tracker) hand every module call an alias
+    of its input, so object identity alone would split a group that reads one input. While
+    ``torch.compile`` traces, memory cannot be inspected and the traced objects are compared.
+    Sibling layers that share one gather use it (``overlap=True``, ``comm_dtype=torch.int8``).
+
+    Example::
+
+        >>> x = torch.ones(2, 3)
+        >>> same_input(x, x.view(2, 3)), same_input(x, x.clone())
+        (True, False)
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b) or torch.compiler.is_compiling():
+        return False
+    if isinstance(a, DTensor):
+        if a.placements != b.placements or a.device_mesh != b.device_mesh:
+            return False
+        a, b = a._local_tensor, b._local_tensor
+    if a.device.type == "meta" or (a.dtype, a.shape, a.stride()) != (b.dtype, b.shape, b.stride()):
+        return False
+    return a.storage_offset() == b.storage_offset() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

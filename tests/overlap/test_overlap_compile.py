@@ -1,7 +1,8 @@
 """``torch.compile(fullgraph=True)`` of the TP + SP Llama-style model, with and without overlap.
 
-Six variants (float32 / int8 weights x ``overlap`` off / on / int8 communication
-(``comm_dtype=torch.int8``)), each compiled with the
+Seven variants (float32 / int8 weights x ``overlap`` off / on / int8 communication
+(``comm_dtype=torch.int8``), and int8 communication with ``overlap`` on float weights), each
+compiled with the
 ``inductor`` CPU backend on 2 gloo ranks. Compiled forward output and every gradient after
 backward must equal eager's (1e-5), and dynamo's counters of the compile must see one graph and no
 graph break (``fullgraph=True`` would also fail on a break). The compiled model runs as many
@@ -42,7 +43,8 @@ def _model(quantized, overlap):
     model = small_llama(seed=0, n_layers=1)
     if quantized:
         quantize_weights(model)
-    options = dict(comm_dtype=torch.int8) if overlap == "int8 comm" else dict(overlap=overlap)
+    options = {"int8 comm": dict(comm_dtype=torch.int8), "int8 comm overlap": dict(comm_dtype=torch.int8, overlap=True)}.get(
+        overlap, dict(overlap=overlap))
     return parallelize_module(model, tp_mesh(), tensor_parallel_plan(sequence_parallel=True, **options))
 
 
@@ -95,8 +97,11 @@ def _compiled_matches_eager(quantized, overlap):
     return _custom_op_nodes(graphs)
 
 
-@pytest.mark.parametrize("overlap", [False, True, "int8 comm"], ids=["unfused", "overlap", "int8 comm"])
-@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("quantized, overlap", [
+    (False, False), (True, False), (False, True), (True, True), (False, "int8 comm"), (True, "int8 comm"),
+    (False, "int8 comm overlap"),  # (the int8 ring multiplies float weights only)
+], ids=["float32-unfused", "int8-unfused", "float32-overlap", "int8-overlap", "float32-int8 comm", "int8-int8 comm",
+        "float32-int8 comm overlap"])
 @on_ranks(2)
 def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(quantized, overlap):
     nodes = _compiled_matches_eager(quantized, overlap)
@@ -110,6 +115,14 @@ def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(quantized, overl
         gathers, scatters = nodes.count("torch_tp.int8_all_gather.default"), nodes.count("torch_tp.int8_reduce_scatter.default")
         assert (gathers, scatters) == (3 + (2 if quantized else 3), 3 + 3), nodes
         assert len(nodes) == gathers + scatters, nodes
+        return
+    if overlap == "int8 comm overlap":  # the fused ops, moving int8: forward 3 gathers, 2 scatters
+        # (the embedding's own int8 reduce-scatter too); backward each one's gradient through the other
+        assert nodes.count("torch_tp.int8_all_gather_matmul.default") == 3 + 2, nodes
+        assert nodes.count("torch_tp.matmul_int8_reduce_scatter.default") == 2, nodes
+        assert nodes.count("torch_tp.int8_reduce_scatter.default") == 1 + 3, nodes
+        assert nodes.count("torch_tp.int8_all_gather.default") == 1, nodes
+        assert len(nodes) == 5 + 2 + 4 + 1, nodes
         return
     # forward: 3 fused gathers (wq/wk/wv shared, w1/w3 shared, the output head) and 2 fused
     # reduce-scatters (wo, w2); backward: each reduce-scatter's input gradient is a fused

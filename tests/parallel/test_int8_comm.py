@@ -58,27 +58,32 @@ def _ce(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
 @on_ranks(2, 4)
-def test_the_int8_sequence_parallel_llama_trains_like_one_process_within_the_quantization_error():
+def test_the_int8_sequence_parallel_llama_trains_like_one_process_within_the_quantization_error(overlap):
     reference = small_llama(seed=0)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(),
-                               tensor_parallel_plan(sequence_parallel=True, comm_dtype=torch.int8))
+                               tensor_parallel_plan(sequence_parallel=True, overlap=overlap, comm_dtype=torch.int8))
     batches = [(torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))) for _ in range(3)]
     losses = assert_trains_like(model, reference, batches, _ce, optimizer=SGD, rtol=0.05, atol=0.02,
                                 what="int8 sequence-parallel communication")
     assert len(losses) == 3
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
 @on_ranks(2, 4)
-def test_int8_communication_moves_at_most_027_of_the_float32_plans_bytes_forward_and_backward():
-    # counted by gloo (the profiler's gloo events); per token E int8 bytes and a 4-byte scale
-    # against 4E: (E + 4) / 4E = 0.254 at E = 256, plus the same 8-byte agreement checks
+def test_int8_communication_moves_at_most_027_of_the_float32_plans_bytes_forward_and_backward(overlap):
+    # counted by gloo (the profiler's gloo events, the ring's sends too); per token E int8 bytes
+    # and a 4-byte scale against 4E: (E + 4) / 4E = 0.254 at E = 256, plus the same 8-byte
+    # agreement checks
     reference, tokens = _llama(dim=256), torch.randint(0, VOCAB, (2, 8))
     sent = {}
     for name, options in (("float32", {}), ("int8", dict(comm_dtype=torch.int8))):
-        model = parallelize_module(copy.deepcopy(reference), tp_mesh(), tensor_parallel_plan(sequence_parallel=True, **options))
-        sent[name] = sum(wire_bytes(lambda: model(tokens).square().mean().backward()).values())
-    assert sent["int8"] <= 0.27 * sent["float32"], sent
+        plan = tensor_parallel_plan(sequence_parallel=True, overlap=overlap, **options)
+        model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+        sent[name] = wire_bytes(lambda: model(tokens).square().mean().backward())
+    total = {name: sum(counts.values()) for name, counts in sent.items()}
+    assert total["int8"] <= 0.27 * total["float32"], sent
 
 
 @on_ranks(2)
@@ -89,6 +94,9 @@ def test_int8_weights_with_int8_communication_stay_within_the_quantization_error
     tokens = torch.randint(0, VOCAB, (2, 8))
     want, got = reference(tokens), model(tokens)
     assert (got - want).abs().max() <= 0.02 * want.abs().max(), ((got - want).abs().max(), want.abs().max())
+    with pytest.raises(NotImplementedError, match="comm_dtype"):  # the int8 ring multiplies float weights only
+        parallelize_module(copy.deepcopy(reference), tp_mesh(),
+                           tensor_parallel_plan(sequence_parallel=True, overlap=True, comm_dtype=torch.int8))
 
 
 class _Biased(nn.Module):
@@ -116,7 +124,7 @@ def test_an_int8_rowwise_layer_adds_its_bias_once():
 
 
 @pytest.mark.parametrize("case", ["float16", "a string", "colwise without a gather", "rowwise without a scatter",
-                                  "overlap", "an embedding gathering ids"])
+                                  "an embedding gathering ids"])
 def test_comm_dtype_is_refused_by_name_where_it_cannot_apply(case):
     from torch_tp.parallel.rules import UnsupportedModuleError
 
@@ -125,7 +133,6 @@ def test_comm_dtype_is_refused_by_name_where_it_cannot_apply(case):
         "a string": (TypeError, lambda: RowwiseParallel(output_layouts=Shard(1), comm_dtype="int8")),
         "colwise without a gather": (ValueError, lambda: ColwiseParallel(comm_dtype=torch.int8)),
         "rowwise without a scatter": (ValueError, lambda: RowwiseParallel(comm_dtype=torch.int8)),
-        "overlap": (NotImplementedError, lambda: ColwiseParallel(input_layouts=Shard(1), overlap=True, comm_dtype=torch.int8)),
         "an embedding gathering ids": (UnsupportedModuleError, lambda: ColwiseParallel(
             input_layouts=Shard(1), comm_dtype=torch.int8).check(nn.Embedding(8, 4), 2, "emb")),
     }[case]

@@ -298,7 +298,7 @@ def block_tensor_parallel_plan(
     # in one shared op, and their input grads are reduce-scattered in one op.
     gathers_itself = overlap or comm_dtype is not None
     block_input = between if gathers_itself else Replicate()
-    fused = dict(overlap=True) if overlap else dict(comm_dtype=comm_dtype) if comm_dtype is not None else {}
+    fused = {**(dict(overlap=True) if overlap else {}), **(dict(comm_dtype=comm_dtype) if comm_dtype is not None else {})}
     colwise = styles.ColwiseParallel(input_layouts=between, **fused) if gathers_itself else styles.ColwiseParallel()
     plan: dict[str, ParallelStyle] = {
         "attention": styles.PrepareModuleInput(

@@ -12,6 +12,12 @@ g)``                                        each chunk quantized per token, one 
                                             all-to-all of the packed chunks, each rank's
                                             received chunks dequantized and summed in
                                             float32
+``torch_tp::int8_all_gather_matmul(a,      ``overlap=True``'s ring (:mod:`torch_tp.overlap.  ``int8_reduce_scatter`` of the
+bs, dim, g)``                               _ring`) moving packed int8 tokens, each chunk   summed input gradients
+                                            dequantized and multiplied as it arrives
+``torch_tp::matmul_int8_reduce_scatter(a,   pairwise: at step ``k`` the quantized partial   ``int8_all_gather_matmul`` of
+b, dim, g)``                                sum for rank ``r + k`` goes straight there      the gradient
+                                            while the next one is multiplied
 ==========================================  ==============================================  ==============================
 
 What travels per token of ``E`` features: ``E`` int8 bytes and one 4-byte scale, against
@@ -44,7 +50,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, to_dtensor
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, same_input, to_dtensor
+from torch_tp.overlap._ring import ring_all_gather_matmul
 from torch_tp.parallel import rules
 
 __all__ = ["COMM_DTYPES", "SharedGather", "dequantize_tokens", "install_colwise", "install_rowwise_output",
@@ -238,8 +245,6 @@ class SharedGather:
 
     def gathered(self, member: nn.Module, raw: torch.Tensor, gather) -> torch.Tensor:
         """``member``'s gathered input: this round's if ``raw`` is its input and ``member`` has not taken it."""
-        from torch_tp.parallel._overlap import same_input
-
         key = id(member)
         if self.whole is None or key in self.served or not same_input(raw, self.input):
             self.input, self.whole, self.served = raw, gather(), set()
@@ -301,3 +306,132 @@ def _require_even(x: DTensor, dim: int, ranks: int, what: str) -> None:
             f"evenly; the int8 collectives move equal pieces: pad the sequence to a multiple of {ranks}, "
             f"or use comm_dtype=None"
         )
+
+
+# ------------------------------------------------------------------ fused with the matmul (overlap=True)
+
+
+def _inner_shape(a: Tensor, dim: int) -> list[int]:
+    return list(a.movedim(dim, 0).shape[1:])
+
+
+@torch.library.custom_op("torch_tp::int8_all_gather_matmul", mutates_args=())
+def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, group_name: str) -> tuple[Tensor, list[Tensor]]:
+    """``all_gather_matmul`` whose ring moves every token as int8 with its scale: each chunk is
+    dequantized as it arrives and multiplied while the next one travels."""
+    _check(a_shard, gather_dim, "int8_all_gather_matmul")
+    group = _resolve_process_group(group_name)
+    front = a_shard.movedim(gather_dim, 0).contiguous()
+    inner = list(front.shape[1:])
+
+    def chunk_matmul(chunk: Tensor) -> list[Tensor]:
+        x = _unpacked(chunk, [chunk.shape[0], *inner], a_shard.dtype)
+        return [torch.matmul(x, b).reshape(chunk.shape[0], -1) for b in bs]
+
+    packed, outs = ring_all_gather_matmul(_packed(front), chunk_matmul, group)
+    rows = group.size() * front.shape[0]
+    gathered = _unpacked(packed, [rows, *inner], a_shard.dtype).movedim(0, gather_dim).contiguous()
+    return gathered, [o.reshape(rows, *inner[:-1], b.shape[-1]).movedim(0, gather_dim).contiguous()
+                      for o, b in zip(outs, bs)]
+
+
+@_int8_all_gather_matmul.register_fake
+def _int8_all_gather_matmul_fake(a_shard, bs, gather_dim, group_name):
+    _check(a_shard, gather_dim, "int8_all_gather_matmul")
+    shape = list(a_shard.shape)
+    shape[gather_dim] *= _resolve_process_group(group_name).size()
+    return a_shard.new_empty(shape), [a_shard.new_empty([*shape[:-1], b.shape[-1]]) for b in bs]
+
+
+def _int8_all_gather_matmul_setup(ctx, inputs, output):
+    _, bs, ctx.dim, ctx.group_name = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[0] if any(b.requires_grad for b in bs) else None, *bs)
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _int8_all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
+    gathered, *bs = ctx.saved_tensors
+    grad_a = None
+    if ctx.needs_input_grad[0]:  # the members' input gradients summed, then one int8 reduce-scatter
+        terms = [g @ b.t() for g, b in zip(grad_outs, bs) if g is not None]
+        if grad_gathered is not None:
+            terms.append(grad_gathered)
+        if terms:
+            grad_a = torch.ops.torch_tp.int8_reduce_scatter(torch.stack(terms).sum(0) if len(terms) > 1 else terms[0],
+                                                            ctx.dim, ctx.group_name)
+    grad_bs = [_rows(gathered).t() @ _rows(g) if need and g is not None else None
+               for need, g in zip(ctx.needs_input_grad[1], grad_outs)]
+    return grad_a, grad_bs, None, None
+
+
+_int8_all_gather_matmul.register_autograd(_int8_all_gather_matmul_backward, setup_context=_int8_all_gather_matmul_setup)
+
+
+def _pairwise_reduce_scatter(front: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``reduce_scatter(front @ b)`` on dim 0: at step ``k`` each rank sends its quantized
+    partial sum for rank ``r + k`` straight there and receives rank ``r - k``'s for itself,
+    while it multiplies the chunk for the next step; its own chunk is never quantized. Each
+    partial sum is quantized once (the all-to-all's error), and the sum is in float32."""
+    position, size = group.rank(), group.size()
+    chunks = front.chunk(size)
+    shape = [*chunks[0].shape[:-1], b.shape[-1]]
+
+    def partial(rank: int) -> Tensor:
+        return torch.matmul(chunks[rank], b)
+
+    total = partial(position).float()
+    outgoing = _packed(partial((position + 1) % size)) if size > 1 else None
+    for step in range(1, size):
+        to, source = (position + step) % size, (position - step) % size
+        incoming = torch.empty_like(outgoing)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, outgoing, peer=dist.get_global_rank(group, to), group=group),
+            dist.P2POp(dist.irecv, incoming, peer=dist.get_global_rank(group, source), group=group),
+        ])
+        try:  # the next step's partial sum while this one travels
+            upcoming = _packed(partial((position + step + 1) % size)) if step + 1 < size else None
+        finally:
+            for work in works:
+                work.wait()
+        total += _unpacked(incoming, shape, torch.float32)
+        outgoing = upcoming
+    return total.to(front.dtype)
+
+
+@torch.library.custom_op("torch_tp::matmul_int8_reduce_scatter", mutates_args=())
+def _matmul_int8_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str) -> Tensor:
+    """``matmul_reduce_scatter`` whose partial sums travel as int8 with one scale per token."""
+    _check(a, scatter_dim, "matmul_int8_reduce_scatter")
+    group = _resolve_process_group(group_name)
+    _check_even(a, scatter_dim, group.size())
+    return _pairwise_reduce_scatter(a.movedim(scatter_dim, 0), b, group).movedim(0, scatter_dim).contiguous()
+
+
+@_matmul_int8_reduce_scatter.register_fake
+def _matmul_int8_reduce_scatter_fake(a, b, scatter_dim, group_name):
+    _check(a, scatter_dim, "matmul_int8_reduce_scatter")
+    world = _resolve_process_group(group_name).size()
+    _check_even(a, scatter_dim, world)
+    shape = [*a.shape[:-1], b.shape[-1]]
+    shape[scatter_dim] //= world
+    return a.new_empty(shape)
+
+
+def _matmul_int8_reduce_scatter_setup(ctx, inputs, output):
+    a, b, ctx.dim, ctx.group_name = inputs
+    ctx.save_for_backward(a if b.requires_grad else None, b)
+
+
+def _matmul_int8_reduce_scatter_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    gathered, (grad_a,) = torch.ops.torch_tp.int8_all_gather_matmul(grad, [b.t()], ctx.dim, ctx.group_name)
+    grad_b = _rows(a).t() @ _rows(gathered) if ctx.needs_input_grad[1] else None
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+
+
+_matmul_int8_reduce_scatter.register_autograd(_matmul_int8_reduce_scatter_backward,
+                                              setup_context=_matmul_int8_reduce_scatter_setup)

@@ -28,45 +28,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
-from torch_tp._layouts import redistribute_to, replace_forward, to_dtensor
+import torch_tp.parallel._int8_comm  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
+from torch_tp._layouts import redistribute_to, replace_forward, same_input, to_dtensor
 from torch_tp.parallel import rules
 
-__all__ = ["SharedGather", "install_colwise", "install_rowwise", "same_input", "share_gather"]
+__all__ = ["SharedGather", "install_colwise", "install_rowwise", "share_gather"]
 
 
 # ------------------------------------------------------------------ colwise
 
 
 def _fused_colwise_outputs(layers: list[nn.Linear], x: DTensor, dim: int, group_name: str) -> list[DTensor]:
-    """Each layer's output on ``x`` (sharded on ``dim``), from one fused all-gather + matmul."""
+    """Each layer's output on ``x`` (sharded on ``dim``), from one fused all-gather + matmul
+    (moving int8 tokens for ``comm_dtype=torch.int8``)."""
     weights = [layer.weight.to_local() for layer in layers]
-    _, ys = torch.ops.torch_tp.all_gather_matmul(x.to_local(), [w.t() for w in weights], dim, group_name)
+    fused = torch.ops.torch_tp.int8_all_gather_matmul if layers[0]._torch_tp_int8_comm else torch.ops.torch_tp.all_gather_matmul
+    _, ys = fused(x.to_local(), [w.t() for w in weights], dim, group_name)
     outputs = []
     for layer, y in zip(layers, ys):
         if layer.bias is not None:
             y = y + layer.bias.to_local()
         outputs.append(to_dtensor(y, x.device_mesh, Shard(x.ndim - 1), sharded_dim_size=layer.out_features))
     return outputs
-
-
-def same_input(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two inputs are one value: the same tensor, or views of the same memory.
-
-    Full backward hooks (``CommDebugMode``'s module tracker) hand every module call an alias
-    of its input, so object identity alone would split a group that reads one input. While
-    ``torch.compile`` traces, memory cannot be inspected and the traced objects are compared.
-    """
-    if a is b:
-        return True
-    if type(a) is not type(b) or torch.compiler.is_compiling():
-        return False
-    if isinstance(a, DTensor):
-        if a.placements != b.placements or a.device_mesh != b.device_mesh:
-            return False
-        a, b = a._local_tensor, b._local_tensor
-    if a.device.type == "meta" or (a.dtype, a.shape, a.stride()) != (b.dtype, b.shape, b.stride()):
-        return False
-    return a.storage_offset() == b.storage_offset() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class SharedGather:
@@ -145,8 +128,10 @@ def _colwise_forward(module, x, *, device_mesh: DeviceMesh, layout: Shard, group
     return _fused_colwise_outputs([module], x, dim, group_name)[0]
 
 
-def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path) -> None:
-    """Install the fused ``forward`` of ``ColwiseParallel(overlap=True)``.
+def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path,
+                    int8_comm: bool = False) -> None:
+    """Install the fused ``forward`` of ``ColwiseParallel(overlap=True)`` (``int8_comm``: its
+    ``comm_dtype=torch.int8``, the ring moving int8 tokens).
 
     No input pre-hook: the forward annotates a plain input as ``layout`` itself (the gather
     happens inside the fused op), so siblings can compare the very inputs they were given.
@@ -154,24 +139,31 @@ def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard
     group_name = device_mesh.get_group().group_name
     replace_forward(module, _colwise_forward, device_mesh=device_mesh, layout=layout,
                     group_name=group_name, module_path=module_path)
-    module._torch_tp_overlap_key = (group_name, layout, type(module.weight.to_local()))
+    module._torch_tp_overlap_key = (group_name, layout, type(module.weight.to_local()), int8_comm)
     module._torch_tp_shared_gather = None
+    module._torch_tp_int8_comm = int8_comm
 
 
 # ------------------------------------------------------------------ rowwise
 
 
-def _rowwise_forward(module, x, *, layout: Shard, group_name: str, module_path):
+def _rowwise_forward(module, x, *, layout: Shard, group_name: str, module_path, int8_comm: bool = False):
     dim = rules.overlap_leading_dim(layout, x, "RowwiseParallel", module, module_path)
     weight = module.weight.to_local()
-    y = torch.ops.torch_tp.matmul_reduce_scatter(x.to_local(), weight.t(), dim, group_name, "sum")
+    if int8_comm:
+        y = torch.ops.torch_tp.matmul_int8_reduce_scatter(x.to_local(), weight.t(), dim, group_name)
+    else:
+        y = torch.ops.torch_tp.matmul_reduce_scatter(x.to_local(), weight.t(), dim, group_name, "sum")
     if module.bias is not None:
         # the bias is added once, after the reduction: each rank's gradient is a partial sum
         y = y + module.bias.to_local(grad_placements=(Partial(),))
     return to_dtensor(y, x.device_mesh, Shard(dim), sharded_dim_size=x.shape[dim])
 
 
-def install_rowwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path) -> None:
-    """Install the fused ``forward`` of ``RowwiseParallel(overlap=True)`` (the input pre-hook is the usual one)."""
+def install_rowwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path,
+                    int8_comm: bool = False) -> None:
+    """Install the fused ``forward`` of ``RowwiseParallel(overlap=True)`` (the input pre-hook is the
+    usual one; ``int8_comm``: its ``comm_dtype=torch.int8``, the partial sums travel as int8)."""
     group_name = device_mesh.get_group().group_name
-    replace_forward(module, _rowwise_forward, layout=layout, group_name=group_name, module_path=module_path)
+    replace_forward(module, _rowwise_forward, layout=layout, group_name=group_name, module_path=module_path,
+                    int8_comm=int8_comm)

@@ -430,16 +430,16 @@ def kwarg_layouts(layouts: Mapping | None, desired: Mapping | None) -> tuple[dic
     return dict(layouts or {}), dict(desired or {})
 
 
-def comm_dtype(value: object, layout: Placement | None, argument: str, style: str, *, overlap: bool) -> torch.dtype | None:
+def comm_dtype(value: object, layout: Placement | None, argument: str, style: str) -> torch.dtype | None:
     """``comm_dtype`` of a style: ``None`` (the activation's dtype) or ``torch.int8``, and only
     on a style whose ``argument`` layout makes a sequence-parallel collective (``Shard(d)`` of
-    a leading dim), without ``overlap``.
+    a leading dim), with or without ``overlap``.
 
     Example::
 
-        >>> comm_dtype(torch.int8, Shard(1), "input_layouts", "ColwiseParallel", overlap=False)
+        >>> comm_dtype(torch.int8, Shard(1), "input_layouts", "ColwiseParallel")
         torch.int8
-        >>> comm_dtype(torch.float16, Shard(1), "input_layouts", "ColwiseParallel", overlap=False)
+        >>> comm_dtype(torch.float16, Shard(1), "input_layouts", "ColwiseParallel")
         Traceback (most recent call last):
         TypeError: ColwiseParallel(comm_dtype=torch.float16): comm_dtype takes torch.int8 or None ...
     """
@@ -455,11 +455,6 @@ def comm_dtype(value: object, layout: Placement | None, argument: str, style: st
             f"{style}(comm_dtype=torch.int8, {argument}={layout}): comm_dtype quantizes a sequence-parallel "
             f"collective, and {argument}={layout} makes none; set {argument}=Shard(1) (the sequence) or "
             f"leave comm_dtype=None"
-        )
-    if overlap:
-        raise NotImplementedError(
-            f"{style}(comm_dtype=torch.int8, overlap=True): the fused ring does not move int8 yet; "
-            f"use overlap=False with comm_dtype, or comm_dtype=None with overlap"
         )
     return value
 
@@ -552,6 +547,8 @@ def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     _check_linear_or_embedding(
         module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap, packed=packed
     )
+    if comm_dtype is not None and overlap:
+        _require_float_weight_for_int8_ring(module, "ColwiseParallel", module_path)
     if comm_dtype is not None:  # the int8 gather runs a forward of its own: nn.Linear's
         _require_linear(module, "ColwiseParallel", "comm_dtype=torch.int8",
                         "gathers the input as int8 and runs nn.Linear's matmul on it", "comm_dtype=None", module_path)
@@ -576,6 +573,19 @@ def check_rowwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
     _check_linear_or_embedding(
         module, device_mesh, "RowwiseParallel", module_path, colwise=False, overlap=overlap, packed=packed
     )
+    if comm_dtype is not None and overlap:
+        _require_float_weight_for_int8_ring(module, "RowwiseParallel", module_path)
+
+
+def _require_float_weight_for_int8_ring(module: nn.Module, style: str, module_path) -> None:
+    """``overlap=True`` with ``comm_dtype=torch.int8``: the int8 ring multiplies float weights only."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and type(weight.data) is not torch.Tensor:
+        raise NotImplementedError(
+            f"{style}(overlap=True, comm_dtype=torch.int8) on {describe(module, module_path)}: its weight is "
+            f"{type(weight.data).__name__}; the int8 ring multiplies float weights only. Use overlap=False "
+            f"with comm_dtype and int8 weights (or comm_dtype=None with overlap)"
+        )
 
 
 def _check_linear_or_embedding(

@@ -235,7 +235,7 @@ class _LinearStyle(ParallelStyle):
             rules.overlap_layout(getattr(self, argument), argument, name, what)
         self.packed = rules.packed_parts(self.packed, name, overlap=self.overlap)
         argument = self._overlapped[0]
-        self.comm_dtype = rules.comm_dtype(self.comm_dtype, getattr(self, argument), argument, name, overlap=self.overlap)
+        self.comm_dtype = rules.comm_dtype(self.comm_dtype, getattr(self, argument), argument, name)
 
 
 class ColwiseParallel(_LinearStyle):
@@ -270,7 +270,8 @@ class ColwiseParallel(_LinearStyle):
             each token as int8 with one float32 scale (and the input gradient's
             reduce-scatter too; :mod:`torch_tp.parallel._int8_comm`), about a quarter of the
             float32 bytes, within half a quantization step per element. ``nn.Linear`` only;
-            not with ``overlap``. Default ``None`` (the activation's dtype).
+            with ``overlap=True`` the fused ring moves the int8 tokens (float weights).
+            Default ``None`` (the activation's dtype).
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -303,7 +304,8 @@ class ColwiseParallel(_LinearStyle):
     def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
         distribute_parameters(module, rules.colwise_placements(module, self.packed), device_mesh, src_data_rank)
         if self.overlap:
-            _overlap.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
+            _overlap.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path,
+                                     int8_comm=self.comm_dtype is not None)
         elif self.comm_dtype is not None:
             _int8_comm.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
         else:
@@ -358,8 +360,9 @@ class RowwiseParallel(_LinearStyle):
             sequence-sharded output (``output_layouts=Shard(1)``): the reduce-scatter moves
             each rank's partial sums as int8 with one float32 scale per token (an all-to-all,
             summed in float32 on arrival), and the output gradient's all-gather moves int8
-            too (:mod:`torch_tp.parallel._int8_comm`). Linear and Embedding; not with
-            ``overlap``. Default ``None`` (the activation's dtype).
+            too (:mod:`torch_tp.parallel._int8_comm`). Linear and Embedding; with
+            ``overlap=True`` the fused op sends each partial sum as int8 while the next is
+            multiplied (float weights). Default ``None`` (the activation's dtype).
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -397,11 +400,12 @@ class RowwiseParallel(_LinearStyle):
             style="RowwiseParallel", packed=self.packed,
         ))
         if self.overlap:
-            _overlap.install_rowwise(module, device_mesh, layout=self.output_layouts, module_path=module_path)
+            _overlap.install_rowwise(module, device_mesh, layout=self.output_layouts, module_path=module_path,
+                                     int8_comm=self.comm_dtype is not None)
         if is_embedding and type(module).forward is nn.Embedding.forward:
             # a subclass's own forward (Gemma scales the rows) keeps DTensor's embedding rule
             replace_forward(module, vocab_parallel_lookup, device_mesh=device_mesh)
-        if self.comm_dtype is not None:
+        if self.comm_dtype is not None and not self.overlap:  # (with overlap: inside the fused op)
             _int8_comm.install_rowwise_output(module, device_mesh, layout=self.output_layouts,
                                               use_local_output=self.use_local_output, module_path=module_path)
         else:
