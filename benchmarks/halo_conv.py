@@ -35,12 +35,19 @@ Columns:
 ``W out``           global output width.
 ``halo fwd KiB``    bytes each rank sends in the forward halo exchange, rank 0 / rank 1 / ...:
                     ``halo_bytes(conv_windows(...), direction="forward")``.
+``index-set fwd``   the minimum, counted independently of torch_tp's geometry: for each rank,
+                    the input columns the taps of its outputs read (``j * stride - padding +
+                    i * dilation`` for its ``torch.chunk`` outputs ``j`` and taps ``i``), minus
+                    its own; a rank sends each reader the part of that set it holds (times
+                    ``N * C * H`` elements of 4 bytes).
 ``measured fwd``    the same, measured: the bytes of the tensors handed to the send ops of
                     ``torch.distributed.batch_isend_irecv`` (wrapped inside every rank)
                     during one forward.
 ``halo f+b KiB``    forward + backward: ``2 * forward + backward`` from ``halo_bytes`` (the
                     backward exchanges the input again for the weight gradient, then sends
                     the halo gradients: ``direction="backward"``).
+``index-set f+b``   the minimum of forward + backward from the same index sets: twice the
+                    forward's, plus the gradients of the columns the rank received.
 ``measured f+b``    the same, measured over one forward plus its backward.
 ``AG f+b KiB``      what the all-gather path moves per rank: ``(world-1)/world`` of the input
                     bytes in the forward (all-gather) and again in the backward
@@ -141,6 +148,25 @@ def formula_bytes(image: tuple[int, ...], conv: ConvShape, world: int, element_s
     fwd = halo_bytes(windows, **kw, direction="forward")
     bwd = halo_bytes(windows, **kw, direction="backward")
     return {"fwd": fwd, "total": [2 * f + b for f, b in zip(fwd, bwd)]}
+
+
+def index_set_bytes(image: tuple[int, ...], conv: ConvShape, world: int, element_size: int) -> dict:
+    """Per-rank minimum halo bytes, forward and forward + backward, from the index sets the
+    windows read (no torch_tp code: the chunk rule and the convolution's arithmetic only)."""
+    n, c, h, w = image
+    k, s, d, p = conv.kernel, conv.stride, conv.dilation, conv.padding
+    out_w = (w + 2 * p - d * (k - 1) - 1) // s + 1
+
+    def chunks(size: int) -> list[set[int]]:  # torch.chunk's pieces, one per rank
+        step = -(-size // world)
+        return [set(range(min(r * step, size), min((r + 1) * step, size))) for r in range(world)]
+
+    ins, outs = chunks(w), chunks(out_w)
+    reads = [{j * s - p + i * d for j in outs[r] for i in range(k)} & set(range(w)) for r in range(world)]
+    fwd = [sum(len(reads[r] & ins[q]) for r in range(world) if r != q) for q in range(world)]
+    returned = [len(reads[q] - ins[q]) for q in range(world)]
+    column = n * c * h * element_size
+    return {"fwd": [f * column for f in fwd], "total": [(2 * f + g) * column for f, g in zip(fwd, returned)]}
 
 
 # --------------------------------------------------------------------------- variants
@@ -292,6 +318,7 @@ def measure_conv(conv: ConvShape, mesh: DeviceMesh, config: Config) -> dict:
         "conv": conv.name,
         "w_out": y.shape[3],
         "formula": formula_bytes(config.image, conv, world, x.element_size()),
+        "index_sets": index_set_bytes(config.image, conv, world, x.element_size()),
         "measured": {"fwd": [m[0] for m in measured], "total": [m[1] for m in measured]},
         "ag_total": 2 * input_bytes * (world - 1) // world,
         "halo_s": [wall for wall, _ in times["halo"]],
@@ -313,8 +340,8 @@ def rank_main(config: Config) -> None:
 
 # ------------------------------------------------------------------------------ report
 
-COLUMNS = ("world", "conv", "W out", "halo fwd KiB", "measured fwd", "halo f+b KiB", "measured f+b",
-           "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms")
+COLUMNS = ("world", "conv", "W out", "halo fwd KiB", "index-set fwd", "measured fwd", "halo f+b KiB",
+           "index-set f+b", "measured f+b", "AG f+b KiB", "AG/halo", "halo ms", "AG ms", "AG/halo ms")
 
 
 def kib_list(values: list[int]) -> str:
@@ -327,8 +354,8 @@ def table_cells(row: dict) -> tuple[str, ...]:
     worst = max(row["formula"]["total"])
     return (
         str(row["world"]), row["conv"], str(row["w_out"]),
-        kib_list(row["formula"]["fwd"]), kib_list(row["measured"]["fwd"]),
-        kib_list(row["formula"]["total"]), kib_list(row["measured"]["total"]),
+        kib_list(row["formula"]["fwd"]), kib_list(row["index_sets"]["fwd"]), kib_list(row["measured"]["fwd"]),
+        kib_list(row["formula"]["total"]), kib_list(row["index_sets"]["total"]), kib_list(row["measured"]["total"]),
         f"{row['ag_total'] / 1024:g}", f"{row['ag_total'] / worst:.1f}" if worst else "inf",
         f"{halo_ms:.2f}", f"{gather_ms:.2f}", f"{gather_ms / halo_ms:.2f}",
     )

@@ -94,14 +94,28 @@ def _check_consistent(windows, in_size, *, neighbours_only):
             assert count == owner.in_size or h == len(recv_right) - 1
         for peer, start, stop in w.recv_ranges:
             assert chunks[peer][0] <= start < stop <= chunks[peer][1]
+        # what travels to w is what its senders pick for it, position by position
+        received = _travelling(w.recv_ranges, w.recv_picks)
+        sent = set().union(*(_travelling(v.send_ranges, v.send_picks, to=w.rank) for v in windows))
+        assert received == sent, (w, received, sent)
+
+
+def _travelling(ranges, picks, to=None):
+    """The global positions of ``ranges`` ((rank, start, stop), with their picks) that travel."""
+    chosen = picks or [range(start, stop) for _, start, stop in ranges]
+    return {p for (q, _, _), positions in zip(ranges, chosen) if to is None or q == to for p in positions}
 
 
 def _simulate(x, weight, windows, *, stride, dilation):
     """Concatenated owned outputs, each computed from its own assembled local input."""
     pieces = []
     for w in windows:
-        strip = x[..., w.in_start - w.recv_left : w.in_stop + w.recv_right]
+        strip = x[..., w.in_start - w.recv_left : w.in_stop + w.recv_right].clone()
         assert strip.shape[-1] == w.strip_size
+        # halo positions that do not travel arrive as zero: poison them, no owned output may read them
+        unpicked = set(range(w.in_start - w.recv_left, w.in_start)) | set(range(w.in_stop, w.in_stop + w.recv_right))
+        for p in unpicked - _travelling(w.recv_ranges, w.recv_picks):
+            strip[..., p - (w.in_start - w.recv_left)] = float("nan")
         local = F.pad(strip[..., w.trim_left : w.strip_size - w.trim_right], (w.pad_left, w.pad_right))
         assert local.shape[-1] == w.local_size
         if w.out_size == 0:
@@ -197,13 +211,15 @@ def test_rank_without_outputs_still_sends_its_halo():
 
 def test_outputs_reading_no_own_element_trim_into_the_received_halo():
     # width 9 on 4 ranks (shards 3, 3, 3, 0), kernel 2, stride 2: rank 3 holds nothing and owns
-    # output 3, which reads [6, 8): it receives the left neighbour's whole shard and drops 8.
+    # output 3, which reads [6, 8): its halo is the left neighbour's whole shard, of which only
+    # 6 and 7 travel (recv_picks), and it drops 8.
     windows = conv_windows(9, 4, kernel_size=2, stride=2)
     assert windows[3] == ShardWindow(
         rank=3, in_start=9, in_stop=9, out_start=3, out_stop=4, need_start=6, need_stop=8,
         recv_left=3, recv_right=0, send_left=0, send_right=0,
-        trim_left=0, trim_right=1, pad_left=0, pad_right=0,
+        trim_left=0, trim_right=1, pad_left=0, pad_right=0, recv_picks=((6, 7),),
     )
+    assert (windows[3].recv_total, windows[2].send_picks, windows[2].send_total) == (2, ((6, 7),), 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         windows[3].rank = 0
 

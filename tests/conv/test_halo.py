@@ -118,9 +118,8 @@ def _bytes_sent(case):
     w = windows[rank()]
     global_x = torch.arange(2 * 3 * in_size, dtype=torch.float32).view(2, 3, in_size)
     x = global_x[..., w.in_start : w.in_stop].clone().requires_grad_()
-    counts = _counts(w)
     with record_p2p() as forward:
-        strip = halo_exchange(x, dim=-1, **counts, mesh=tp_mesh())
+        strip = halo_exchange(x, dim=-1, window=w, mesh=tp_mesh())  # only the positions read travel
     with record_p2p() as backward:
         strip.sum().backward()
     sent = [sum(b for kind, _, b in records if kind == "send") for records in (forward, backward)]
@@ -161,7 +160,7 @@ def _conv_through_halos(case):
     grad_out = torch.randint(-2, 3, expected.shape, generator=gen).float()
     reference_grads = torch.autograd.grad(expected, [reference_x, weight], grad_out)
     x = global_x[..., w.in_start : w.in_stop].clone().requires_grad_()
-    strip = halo_exchange(x, dim=-1, **_counts(w), mesh=tp_mesh())
+    strip = halo_exchange(x, dim=-1, window=w, mesh=tp_mesh())
     local = F.pad(strip[..., w.trim_left : w.strip_size - w.trim_right], (w.pad_left, w.pad_right))
     if w.out_size:
         out = F.conv1d(local, weight, stride=conv.get("stride", 1), dilation=conv.get("dilation", 1))
@@ -216,6 +215,17 @@ def test_invalid_arguments_raise_value_error_before_any_message():
 
     with pytest.raises(ValueError, match=r"takes the local shard \(x.to_local\(\)\)"):
         halo_exchange(distribute_tensor(torch.zeros(2, 4), mesh, [Shard(1)]), dim=1, **counts, mesh=mesh)
+    # window= carries the counts: not both, not neither, and the window of this position and length
+    windows = conv_windows(3 * world_size(), world_size(), kernel_size=3, padding=1)  # shards of 3
+    with pytest.raises(ValueError, match="takes window= or the counts, not both"):
+        halo_exchange(x, dim=1, window=windows[rank()], recv_left=0, mesh=mesh)
+    with pytest.raises(ValueError, match="needs the four counts or window=; missing send_left=, send_right="):
+        halo_exchange(x, dim=1, recv_left=0, recv_right=0, mesh=mesh)
+    other = (rank() + 1) % world_size()
+    with pytest.raises(ValueError, match=rf"window= is position {other}'s, .* pass conv_windows\(...\)\[{rank()}\]"):
+        halo_exchange(x, dim=1, window=windows[other], mesh=mesh)
+    with pytest.raises(ValueError, match=r"the window is for a shard of 5 slices .* holds 3 along dim 1"):
+        halo_exchange(x, dim=1, window=conv_windows(5 * world_size(), world_size(), kernel_size=3)[rank()], mesh=mesh)
     # Edge ranks have one neighbour; called only where it must raise, so no rank waits.
     if rank() == 0:
         with pytest.raises(ValueError, match="position 0 of .* has no left neighbour .*nothing wraps around"):

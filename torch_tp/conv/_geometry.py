@@ -18,11 +18,18 @@ add at the global edges. A halo wider than the neighbour's shard (small maps, ma
 wide kernels) continues into the next ranks' shards ("multi-hop"); every rank derives every
 rank's window from the sizes alone, so each knows what to send to whom. Nothing here touches
 ``torch.distributed``.
+
+The halos are contiguous ranges, but with stride or dilation the taps need not read every
+position of them (kernel 5, stride 2, dilation 2 reads only every other column): a window
+then also lists, per range, the positions that are read (``recv_picks`` / ``send_picks``),
+and only those travel; the positions between them stay zero in the local input, where no
+tap reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence, Union
 
 from torch_tp._layouts import shard_bounds
@@ -68,6 +75,12 @@ class ShardWindow:
             that exchanges with a rank beyond its immediate neighbours; ``()`` means the count
             is one hop. :attr:`hops` reads the split either way; ``halo_exchange`` takes its
             entries as counts (a sequence is a count per hop).
+        recv_picks, send_picks: the global positions that travel, one sorted tuple per entry
+            of :attr:`recv_ranges` / :attr:`send_ranges` (in that order): the positions of
+            the range that the receiver's taps read. ``()`` (the default) means every
+            position of every range travels; set only when some range has positions no tap
+            reads (stride or dilation > 1 near a border). The positions left out are zero in
+            the received halo (no owned output reads them).
 
     The local convolution input is therefore
     ``pad(strip[trim_left : len(strip) - trim_right], (pad_left, pad_right))``, and convolving
@@ -91,6 +104,11 @@ class ShardWindow:
         ((0, 0, 2), (2, 4, 6), (3, 6, 7))
         >>> w.send_ranges  # to rank 0 (its right halo), 2 and 3 (their left halos)
         ((0, 2, 4), (2, 2, 4), (3, 3, 4))
+        >>> w = conv_windows(16, 2, kernel_size=5, stride=2, dilation=2, padding=4)[1]
+        >>> w.recv_ranges, w.recv_picks  # outputs 4.. read 4, 6, 8, ...: of [4, 8) only 4 and 6
+        (((0, 4, 8),), ((4, 6),))
+        >>> w.recv_left, w.recv_total
+        (4, 2)
     """
 
     rank: int
@@ -112,6 +130,8 @@ class ShardWindow:
     recv_right_hops: tuple[int, ...] = ()
     send_left_hops: tuple[int, ...] = ()
     send_right_hops: tuple[int, ...] = ()
+    recv_picks: tuple[tuple[int, ...], ...] = ()
+    send_picks: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -124,6 +144,16 @@ class ShardWindow:
                     f"ShardWindow: {name}_hops={hops} must be ints >= 0 summing to {name}={getattr(self, name)}"
                 )
             object.__setattr__(self, f"{name}_hops", hops)
+        for name, ranges in (("recv_picks", self.recv_ranges), ("send_picks", self.send_ranges)):
+            picks = tuple(tuple(p) for p in getattr(self, name))
+            if picks and (len(picks) != len(ranges) or any(
+                    list(p) != sorted(set(p)) or any(not start <= i < stop for i in p)
+                    for p, (_, start, stop) in zip(picks, ranges))):
+                raise ValueError(
+                    f"torch_tp.conv.ShardWindow: {name}={picks} needs one sorted tuple of distinct positions "
+                    f"inside each range of {ranges} (or () for every position)"
+                )
+            object.__setattr__(self, name, picks)
 
     @property
     def hops(self) -> tuple[tuple[int, ...], ...]:
@@ -156,6 +186,20 @@ class ShardWindow:
         left = [(self.rank - 1 - h, self.in_start, self.in_start + c) for h, c in enumerate(send_left)]
         right = [(self.rank + 1 + h, self.in_stop - c, self.in_stop) for h, c in enumerate(send_right)]
         return tuple(r for r in left[::-1] + right if r[1] < r[2])
+
+    @property
+    def recv_total(self) -> int:
+        """Slices that travel to this rank: the picked positions, else ``recv_left + recv_right``."""
+        if self.recv_picks:
+            return sum(len(p) for p in self.recv_picks)
+        return self.recv_left + self.recv_right
+
+    @property
+    def send_total(self) -> int:
+        """Slices this rank sends: the receivers' picked positions, else ``send_left + send_right``."""
+        if self.send_picks:
+            return sum(len(p) for p in self.send_picks)
+        return self.send_left + self.send_right
 
     @property
     def in_size(self) -> int:
@@ -351,6 +395,22 @@ def _chunk_windows(
         >>> [w.recv_ranges for w in ws]
         [((1, 2, 4), (2, 4, 5)), ((0, 0, 2), (2, 4, 5)), ((0, 1, 2), (1, 2, 4)), ()]
     """
+    return list(_cached_windows(tuple(map(tuple, in_chunks)), tuple(map(tuple, out_chunks)), stride=stride,
+                                pad_l=pad_l, dilation=dilation, span=span))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_windows(
+    in_chunks: tuple[tuple[int, int], ...],
+    out_chunks: tuple[tuple[int, int], ...],
+    *,
+    stride: int,
+    pad_l: int,
+    dilation: int,
+    span: int,
+) -> tuple[ShardWindow, ...]:
+    """:func:`_chunk_windows`, computed once per geometry (each handler call asks again; the
+    windows are frozen, so sharing them is safe)."""
     num_ranks = len(in_chunks)
     sizes = [stop - start for start, stop in in_chunks]
     halves = [
@@ -369,7 +429,49 @@ def _chunk_windows(
         extra = hops if any(len(h) > 1 for h in hops.values()) else {}
         windows.append(ShardWindow(send_left=sum(hops["send_left_hops"]),
                                    send_right=sum(hops["send_right_hops"]), **half, **extra))
-    return windows
+    taps = dict(stride=stride, pad_l=pad_l, dilation=dilation, span=span)
+    return tuple(_with_picks(w, out_chunks, taps) for w in windows)
+
+
+def _with_picks(w: ShardWindow, out_chunks: Sequence[tuple[int, int]], taps: dict) -> ShardWindow:
+    """``w`` with ``recv_picks`` / ``send_picks`` filled where a range has positions no tap of
+    its reader's outputs reads (the reader of a received range is ``w``'s rank, of a sent
+    range the rank it goes to)."""
+    recv = tuple(_tapped(start, stop, out_chunks[w.rank], **taps) for _, start, stop in w.recv_ranges)
+    send = tuple(_tapped(start, stop, out_chunks[q], **taps) for q, start, stop in w.send_ranges)
+
+    def sparse(picks: tuple, ranges: tuple) -> bool:
+        return any(len(p) < stop - start for p, (_, start, stop) in zip(picks, ranges))
+
+    recv = recv if sparse(recv, w.recv_ranges) else ()
+    send = send if sparse(send, w.send_ranges) else ()
+    return dataclasses.replace(w, recv_picks=recv, send_picks=send) if recv or send else w
+
+
+def _tapped(
+    lo: int, hi: int, chunk: tuple[int, int], *, stride: int, pad_l: int, dilation: int, span: int
+) -> tuple[int, ...]:
+    """The positions in ``[lo, hi)`` that some tap of some index ``j`` in ``chunk`` reaches:
+    ``j * stride - pad_l + i * dilation``, ``0 <= i * dilation <= span`` (sorted).
+
+    For a convolution ``chunk`` is a range of outputs and the positions are inputs they read;
+    for a transposed convolution it is a range of inputs and the positions are the outputs
+    they add to.
+
+    Example:
+        >>> _tapped(4, 8, (4, 8), stride=2, pad_l=4, dilation=2, span=8)  # outputs 4..7 read 4, 6, ...
+        (4, 6)
+        >>> _tapped(0, 6, (0, 3), stride=1, pad_l=0, dilation=2, span=2)  # 0, 1, 2 and 2, 3, 4
+        (0, 1, 2, 3, 4)
+    """
+    first, stop = chunk
+    hit: set[int] = set()
+    for tap in range(0, span + 1, dilation):
+        base = tap - pad_l
+        j_lo = max(first, -((base - lo) // stride))  # the first j with j * stride + base >= lo
+        j_hi = min(stop, -((base - hi) // stride))  # the first j with j * stride + base >= hi
+        hit.update(range(j_lo * stride + base, j_hi * stride + base, stride))
+    return tuple(sorted(hit))
 
 
 def _split(count: int, sizes: Sequence[int]) -> tuple[int, ...]:

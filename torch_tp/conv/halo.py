@@ -9,12 +9,19 @@ given per hop, and each piece travels directly between its owner and the rank th
 (no relaying), in the same batch. The backward is the exact adjoint: halo gradients go back
 to the ranks that own those slices and are added there. :func:`halo_bytes` gives, from the
 geometry alone, the bytes each rank sends.
+
+Driven by a :class:`~torch_tp.conv.ShardWindow` (``window=``, as the convolution and pooling
+handlers do), only the positions the receiver's taps read travel (the window's
+``recv_picks`` / ``send_picks``: with stride or dilation > 1 a border block can have columns
+no tap reads); the received halo keeps its contiguous layout, with zeros at the positions
+left out, and the backward returns the gradients of the picked positions only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -133,6 +140,43 @@ def _run_p2p(ops: list) -> None:
     _Transfer(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops]).wait()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Picks:
+    """The slices of each halo piece that travel, keyed by hop offset (``-1 - h``: the rank
+    ``h + 1`` to the left; ``1 + h``: to the right); a piece without an entry travels whole.
+
+    ``send[o]`` indexes the own shard (0 is its first slice), ``recv[o]`` the received piece
+    (0 is its first slice, the farthest from the own shard on the left).
+    """
+
+    send: dict
+    recv: dict
+
+
+@functools.lru_cache(maxsize=256)
+def _picks_of(window: Optional[ShardWindow]) -> Optional[_Picks]:
+    """The window's ``recv_picks`` / ``send_picks`` as :class:`_Picks` (``None``: all dense).
+
+    Example:
+        >>> from torch_tp.conv import conv_windows
+        >>> _picks_of(conv_windows(16, 2, kernel_size=5, stride=2, dilation=2, padding=4)[1])
+        _Picks(send={-1: (0, 2)}, recv={-1: (0, 2)})
+        >>> _picks_of(conv_windows(16, 2, kernel_size=3, padding=1)[1]) is None
+        True
+    """
+    if window is None or not (window.recv_picks or window.send_picks):
+        return None
+    recv = {q - window.rank: tuple(p - start for p in picks)
+            for (q, start, stop), picks in zip(window.recv_ranges, window.recv_picks) if len(picks) < stop - start}
+    send = {q - window.rank: tuple(p - window.in_start for p in picks)
+            for (q, start, stop), picks in zip(window.send_ranges, window.send_picks) if len(picks) < stop - start}
+    return _Picks(send, recv)
+
+
+def _index(positions: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long, device=like.device)
+
+
 def _hops(count: Count) -> tuple[int, ...]:
     """The per-hop split, nearest rank first, of a count: an int (one hop) or a sequence
     (a :attr:`ShardWindow.hops <torch_tp.conv.ShardWindow.hops>` entry)."""
@@ -141,24 +185,29 @@ def _hops(count: Count) -> tuple[int, ...]:
     return tuple(count)
 
 
-def _empty_slices(like: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+def _with_size(like: torch.Tensor, dim: int, count: int) -> list[int]:
     shape = list(like.shape)
     shape[dim] = count
-    return like.new_empty(shape)
+    return shape
+
+
+def _empty_slices(like: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    return like.new_empty(_with_size(like, dim, count))
 
 
 class _HaloExchange(torch.autograd.Function):
     """Autograd node of :func:`halo_exchange` (see its docstring for the formulas)."""
 
     @staticmethod
-    def forward(ctx, x_shard, dim, recv_left, recv_right, send_left, send_right, nb):  # type: ignore
+    def forward(ctx, x_shard, dim, recv_left, recv_right, send_left, send_right, nb, picks):  # type: ignore
         ctx.args = (dim, recv_left, recv_right, send_left, send_right, nb, x_shard.shape[dim])  # no tensors
-        return _exchange_forward(x_shard, dim, recv_left, recv_right, send_left, send_right, nb)
+        ctx.picks = picks
+        return _exchange_forward(x_shard, dim, recv_left, recv_right, send_left, send_right, nb, picks=picks)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_strip):  # type: ignore[override]
-        return _exchange_backward(grad_strip, *ctx.args), None, None, None, None, None, None
+        return (_exchange_backward(grad_strip, *ctx.args, picks=ctx.picks),) + (None,) * 7
 
 
 @dataclasses.dataclass
@@ -169,10 +218,14 @@ class _HalosInFlight:
     halo_right: list[torch.Tensor]
     transfer: _Transfer
     dim: int
+    fills: list = dataclasses.field(default_factory=list)  # (halo piece, index, picked slices received)
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(halo_left, halo_right)``, each in position order (farthest left rank first)."""
         self.transfer.wait()
+        for piece, index, received in self.fills:
+            piece.index_copy_(self.dim, index, received)
+        self.fills.clear()
         return _cat(self.halo_left[::-1], self.dim), _cat(self.halo_right, self.dim)
 
 
@@ -182,31 +235,47 @@ def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def _exchange_start(
     x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
-    nb: _Neighbours,
+    nb: _Neighbours, *, picks: Optional[_Picks] = None,
 ) -> _HalosInFlight:
     """Start the forward exchange (no autograd) and return at once: compute that does not read
-    the halos can run while they are in flight (:mod:`torch_tp.conv.sharded_conv`)."""
+    the halos can run while they are in flight (:mod:`torch_tp.conv.sharded_conv`). With
+    ``picks``, only the picked slices of a piece travel; the others are zero on arrival."""
     n = x_shard.shape[dim]
     recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
-    sends = {-1 - h: x_shard.narrow(dim, 0, c).contiguous() for h, c in enumerate(send_l)}
-    sends.update({1 + h: x_shard.narrow(dim, n - c, c).contiguous() for h, c in enumerate(send_r)})
-    halo_left = [_empty_slices(x_shard, dim, c) for c in recv_l] or [_empty_slices(x_shard, dim, 0)]
-    halo_right = [_empty_slices(x_shard, dim, c) for c in recv_r] or [_empty_slices(x_shard, dim, 0)]
-    recvs = {-1 - h: t for h, t in enumerate(halo_left)}
-    recvs.update({1 + h: t for h, t in enumerate(halo_right)})
-    return _HalosInFlight(halo_left, halo_right, _start_transfer(sends, recvs, nb), dim)
+    send_picks, recv_picks = (picks.send, picks.recv) if picks is not None else ({}, {})
+    sends = {}
+    for offset, start, c in [(-1 - h, 0, c) for h, c in enumerate(send_l)] + [
+            (1 + h, n - c, c) for h, c in enumerate(send_r)]:
+        chosen = send_picks.get(offset)
+        sends[offset] = (x_shard.narrow(dim, start, c).contiguous() if chosen is None
+                         else x_shard.index_select(dim, _index(chosen, x_shard)))
+    halo_left, halo_right, recvs, fills = [], [], {}, []
+    for offset, c, pieces in [(-1 - h, c, halo_left) for h, c in enumerate(recv_l)] + [
+            (1 + h, c, halo_right) for h, c in enumerate(recv_r)]:
+        chosen = recv_picks.get(offset)
+        if chosen is None:
+            pieces.append(recvs.setdefault(offset, _empty_slices(x_shard, dim, c)))
+            continue
+        pieces.append(x_shard.new_zeros(_with_size(x_shard, dim, c)))
+        recvs[offset] = _empty_slices(x_shard, dim, len(chosen))
+        fills.append((pieces[-1], _index(chosen, x_shard), recvs[offset]))
+    halo_left = halo_left or [_empty_slices(x_shard, dim, 0)]
+    halo_right = halo_right or [_empty_slices(x_shard, dim, 0)]
+    return _HalosInFlight(halo_left, halo_right, _start_transfer(sends, recvs, nb), dim, fills)
 
 
 def _exchange_forward(
     x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
-    nb: _Neighbours,
+    nb: _Neighbours, *, picks: Optional[_Picks] = None,
 ) -> torch.Tensor:
     """The forward exchange on plain tensors (no autograd): ``cat(halo_left, x_shard, halo_right)``.
 
     Each count is an int (one hop) or split per hop (:func:`_hops`); the halo pieces are
-    concatenated in position order (farthest left rank first).
+    concatenated in position order (farthest left rank first). ``picks``: see
+    :func:`_exchange_start`.
     """
-    halo_left, halo_right = _exchange_start(x_shard, dim, recv_left, recv_right, send_left, send_right, nb).wait()
+    halo_left, halo_right = _exchange_start(x_shard, dim, recv_left, recv_right, send_left, send_right, nb,
+                                            picks=picks).wait()
     return torch.cat([halo_left, x_shard, halo_right], dim=dim)
 
 
@@ -215,53 +284,60 @@ class _GradientsInFlight:
     """The adjoint exchange, started: :meth:`wait` adds what arrives onto the own gradient."""
 
     grad_x: torch.Tensor  # the own slices' gradient, without the pieces still to arrive
-    from_left: list[torch.Tensor]  # what the ranks h + 1 to the left send back, nearest first
-    from_right: list[torch.Tensor]
+    arrivals: list  # (first own slice or index of own slices, what a reader sends back)
     transfer: _Transfer
     dim: int
 
     def wait(self) -> torch.Tensor:
         """The gradient of the ``n`` own slices, every reader's piece added."""
         self.transfer.wait()
-        n = self.grad_x.shape[self.dim]
-        for piece in self.from_left:
-            self.grad_x.narrow(self.dim, 0, piece.shape[self.dim]).add_(piece)
-        for piece in self.from_right:
-            c = piece.shape[self.dim]
-            self.grad_x.narrow(self.dim, n - c, c).add_(piece)
+        for at, piece in self.arrivals:
+            if isinstance(at, int):
+                self.grad_x.narrow(self.dim, at, piece.shape[self.dim]).add_(piece)
+            else:
+                self.grad_x.index_add_(self.dim, at, piece)
         return self.grad_x
 
 
 def _exchange_backward_start(
     grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
-    send_right: Count, nb: _Neighbours, n: int,
+    send_right: Count, nb: _Neighbours, n: int, *, picks: Optional[_Picks] = None,
 ) -> _GradientsInFlight:
     """Start the adjoint of :func:`_exchange_forward` and return at once (compute that does not
-    need the own gradient can run while the halo gradients travel)."""
+    need the own gradient can run while the halo gradients travel). With ``picks`` only the
+    picked slices' gradients travel back (the others' are zero: no tap read them)."""
     recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
+    send_picks, recv_picks = (picks.send, picks.recv) if picks is not None else ({}, {})
     left = sum(recv_l)
-    sends, stop = {}, left
+    pieces, stop = [], left
     for h, c in enumerate(recv_l):  # the piece from h + 1 to the left sits just below the nearer ones
-        sends[-1 - h] = grad_strip.narrow(dim, stop - c, c).contiguous()
+        pieces.append((-1 - h, stop - c, c))
         stop -= c
     start = left + n
     for h, c in enumerate(recv_r):
-        sends[1 + h] = grad_strip.narrow(dim, start, c).contiguous()
+        pieces.append((1 + h, start, c))
         start += c
-    from_left = [_empty_slices(grad_strip, dim, c) for c in send_l]
-    from_right = [_empty_slices(grad_strip, dim, c) for c in send_r]
-    recvs = {-1 - h: t for h, t in enumerate(from_left)}
-    recvs.update({1 + h: t for h, t in enumerate(from_right)})
+    sends = {}
+    for offset, first, c in pieces:
+        piece, chosen = grad_strip.narrow(dim, first, c), recv_picks.get(offset)
+        sends[offset] = piece.contiguous() if chosen is None else piece.index_select(dim, _index(chosen, piece))
+    recvs, arrivals = {}, []
+    for offset, first, c in [(-1 - h, 0, c) for h, c in enumerate(send_l)] + [
+            (1 + h, n - c, c) for h, c in enumerate(send_r)]:
+        chosen = send_picks.get(offset)
+        recvs[offset] = _empty_slices(grad_strip, dim, c if chosen is None else len(chosen))
+        arrivals.append((first if chosen is None else _index(chosen, grad_strip), recvs[offset]))
     transfer = _start_transfer(sends, recvs, nb)
-    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), from_left, from_right, transfer, dim)
+    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), arrivals, transfer, dim)
 
 
 def _exchange_backward(
     grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
-    send_right: Count, nb: _Neighbours, n: int,
+    send_right: Count, nb: _Neighbours, n: int, *, picks: Optional[_Picks] = None,
 ) -> torch.Tensor:
     """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
-    return _exchange_backward_start(grad_strip, dim, recv_left, recv_right, send_left, send_right, nb, n).wait()
+    return _exchange_backward_start(grad_strip, dim, recv_left, recv_right, send_left, send_right, nb, n,
+                                    picks=picks).wait()
 
 
 def _is_count(value: Any) -> bool:
@@ -310,10 +386,11 @@ def halo_exchange(
     x_shard: torch.Tensor,
     *,
     dim: int,
-    recv_left: Count,
-    recv_right: Count,
-    send_left: Count,
-    send_right: Count,
+    recv_left: Optional[Count] = None,
+    recv_right: Optional[Count] = None,
+    send_left: Optional[Count] = None,
+    send_right: Optional[Count] = None,
+    window: Optional[ShardWindow] = None,
     group: Any = None,
     mesh: Any = None,
     mesh_dim: Any = None,
@@ -362,6 +439,11 @@ def halo_exchange(
             of ``x_shard``), or per hop; entry ``h`` must equal entry ``h`` of the matching
             ``recv_right`` / ``recv_left`` of the rank ``h + 1`` away (``conv_windows``
             gives consistent counts).
+        window: instead of the four counts, this rank's :class:`~torch_tp.conv.ShardWindow`
+            (``conv_windows(...)[position]``): its counts per hop, and only the positions its
+            ``recv_picks`` / ``send_picks`` name travel (every position where they are
+            empty). A position left out arrives as zero and its gradient is not sent back:
+            no tap of the receiver's outputs reads it.
         group: the process group whose ranks, in group order, hold consecutive shards. Or:
         mesh, mesh_dim: a ``DeviceMesh`` and the dim (name or index) the tensor is sharded
             over; the rank's position is its coordinate on that dim, and only ranks of its
@@ -371,7 +453,8 @@ def halo_exchange(
         ``cat(halo_left, x_shard, halo_right)`` along ``dim``, differentiable w.r.t. ``x_shard``.
 
     Raises:
-        ValueError: negative or non-int counts, sending more slices than the shard holds,
+        ValueError: negative or non-int counts, both ``window`` and counts (or neither),
+            a window of another position or shard length, sending more slices than the shard holds,
             a halo on the side of an edge rank that has no neighbour there (or more hops than
             there are ranks on that side), ``dim`` out of range, a DTensor instead of its local
             shard, or not exactly one of ``group`` / ``mesh``.
@@ -385,6 +468,10 @@ def halo_exchange(
         ...               send_left=w.send_left, send_right=w.send_right, mesh=tp_mesh)
         tensor([0., 1., 2., 3., 4.])                 # rank 0
         tensor([3., 4., 5., 6., 7.])                 # rank 1
+        >>> # kernel 5, stride 2, dilation 2: rank 1's outputs read 4 and 6 of rank 0's [4, 8)
+        >>> w = conv_windows(16, 2, kernel_size=5, stride=2, dilation=2, padding=4)[rank]
+        >>> halo_exchange(torch.arange(8.0) + 8 * rank, dim=0, window=w, mesh=tp_mesh)[:4]
+        tensor([4., 0., 6., 0.])                     # rank 1: two columns sent, not four
 
     .. note::
         Like a collective, every rank of the group calls it, and if one rank backpropagates
@@ -400,8 +487,42 @@ def halo_exchange(
         raise ValueError("halo_exchange takes the local shard (x.to_local()), not a DTensor")
     nb = _resolve_neighbours(group, mesh, mesh_dim)
     counts = dict(recv_left=recv_left, recv_right=recv_right, send_left=send_left, send_right=send_right)
+    counts, picks = _counts_and_picks(counts, window, nb)
     dim = _check_counts(x_shard, dim, counts, nb)
-    return _HaloExchange.apply(x_shard, dim, recv_left, recv_right, send_left, send_right, nb)
+    if window is not None and x_shard.shape[dim] != window.in_size:
+        raise ValueError(
+            f"torch_tp.conv.halo_exchange: the window is for a shard of {window.in_size} slices "
+            f"([{window.in_start}, {window.in_stop})), this rank's holds {x_shard.shape[dim]} along dim {dim}; "
+            f"pass the window of this tensor's global length (conv_windows(length, ...)[position])"
+        )
+    return _HaloExchange.apply(x_shard, dim, *counts.values(), nb, picks)
+
+
+def _counts_and_picks(counts: dict, window: Optional[ShardWindow], nb: _Neighbours) -> tuple[dict, Optional[_Picks]]:
+    """The four counts (per hop) and the picks, from ``window`` or from the counts given."""
+    given = [name for name, value in counts.items() if value is not None]
+    if window is None:
+        if len(given) < len(counts):
+            missing = ", ".join(f"{name}=" for name in counts if name not in given)
+            raise ValueError(
+                f"torch_tp.conv.halo_exchange needs the four counts or window=; missing {missing} "
+                f"(pass window=conv_windows(...)[position] to take them from the geometry)"
+            )
+        return counts, None
+    if given:
+        raise ValueError(
+            f"torch_tp.conv.halo_exchange takes window= or the counts, not both (got {', '.join(given)} "
+            f"as well): drop the counts, the window carries them"
+        )
+    if not isinstance(window, ShardWindow):
+        raise ValueError(f"torch_tp.conv.halo_exchange: window= must be a ShardWindow (conv_windows(...)[position]), "
+                         f"got {type(window).__name__}")
+    if window.rank != nb.position:
+        raise ValueError(
+            f"torch_tp.conv.halo_exchange: window= is position {window.rank}'s, this rank is at position "
+            f"{nb.position} of {nb.size}; pass conv_windows(...)[{nb.position}]"
+        )
+    return dict(zip(counts, window.hops)), _picks_of(window)
 
 
 def halo_bytes(
@@ -415,6 +536,11 @@ def halo_bytes(
         element_size: bytes per element (``tensor.element_size()``).
         direction: ``"forward"`` (each rank sends ``send_left + send_right`` slices) or
             ``"backward"`` (it returns the gradients of its halos: ``recv_left + recv_right``).
+
+    Counts the slices that travel (:attr:`ShardWindow.send_total
+    <torch_tp.conv.ShardWindow.send_total>` forward, ``recv_total`` backward): with stride or
+    dilation > 1 only the positions the receiver's taps read, as :func:`halo_exchange` with
+    ``window=`` and the convolution and pooling handlers send them.
 
     Returns:
         ``list[int]`` indexed by the rank's position on the sharded dim. With one hop, inner
@@ -437,10 +563,15 @@ def halo_bytes(
         [12, 16, 8, 0]
         >>> halo_bytes(windows, slice_numel=1, element_size=4, direction="backward")
         [12, 12, 12, 0]
+        >>> windows = conv_windows(16, 2, kernel_size=5, stride=2, dilation=2, padding=4)
+        >>> [(w.send_left + w.send_right, w.send_total) for w in windows]  # every other column read
+        [(4, 2), (3, 2)]
+        >>> halo_bytes(windows, slice_numel=1, element_size=4)
+        [8, 8]
     """
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     per_slice = slice_numel * element_size
     if direction == "forward":
-        return [(w.send_left + w.send_right) * per_slice for w in windows]
-    return [(w.recv_left + w.recv_right) * per_slice for w in windows]
+        return [w.send_total * per_slice for w in windows]
+    return [w.recv_total * per_slice for w in windows]

@@ -3,7 +3,7 @@
 The input is a DTensor sharded ``Shard(d)`` on one spatial dim over one mesh dim; other mesh
 dims may be ``Replicate()``, ``Shard`` on batch or channels, or ``Partial`` (reduced first).
 A pooling window is a convolution window, so each rank receives exactly the border slices its
-outputs read, laid out as :func:`~torch_tp.conv.conv_windows` lays them out (plus the outputs
+outputs read (with stride > kernel or dilation, only the columns a window covers), laid out as :func:`~torch_tp.conv.conv_windows` lays them out (plus the outputs
 ``ceil_mode`` adds), pools locally with padding 0 on ``d`` and keeps its ``torch.chunk`` piece
 of the output: a true ``Shard(d)`` of the global output, uneven and empty strips included.
 The backward sends the halo gradients back to their owners (the exact adjoint).
@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch_tp._layouts import shard_bounds
 from torch_tp.conv._core import bind, expand, spatial_layout, without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, _chunk_windows
-from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _resolve_neighbours
+from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _picks_of, _resolve_neighbours
 from torch_tp.conv._registry import HandlerSet
 
 __all__ = [
@@ -185,7 +185,7 @@ def _neighbours(plan: _Plan) -> tuple:
 def _local_input(x_local: torch.Tensor, plan: _Plan, fill: float) -> torch.Tensor:
     """``pad(strip[trim_left : strip_size - trim_right], (pad_left, pad_right), fill)`` along d."""
     w, d = plan.window, plan.spatial_dim
-    strip = _exchange_forward(x_local, *_neighbours(plan))  # every rank exchanges, outputs or not
+    strip = _exchange_forward(x_local, *_neighbours(plan), picks=_picks_of(w))  # every rank exchanges
     kept = strip.narrow(d, w.trim_left, w.strip_size - w.trim_left - w.trim_right)
     if w.pad_left == 0 and w.pad_right == 0:
         return kept
@@ -200,7 +200,7 @@ def _strip_grad_to_shard(g_local: torch.Tensor, plan: _Plan, n: int) -> torch.Te
     shape[d] = w.strip_size
     strip = g_local.new_zeros(shape)
     strip.narrow(d, w.trim_left, kept.shape[d]).copy_(kept)
-    return _exchange_backward(strip, *_neighbours(plan), n)
+    return _exchange_backward(strip, *_neighbours(plan), n, picks=_picks_of(w))
 
 
 def _with_size(shape: Sequence[int], d: int, size: int) -> list[int]:

@@ -13,7 +13,8 @@ Installed by a ``SpatialParallel`` model that needs it, or for every op by
 The input is a DTensor sharded ``Shard(d)`` on one spatial dim ``d >= 2`` over one mesh dim
 (other mesh dims ``Replicate()`` or ``Shard(0)``: batch), weight and bias replicated. Each rank
 gets from the ranks beside it on that mesh dim exactly the border slices its outputs read
-(:func:`~torch_tp.conv.conv_windows`), convolves locally with padding 0 on ``d`` and keeps
+(:func:`~torch_tp.conv.conv_windows`; with stride or dilation, only the columns its taps read,
+the others zero in the local input), convolves locally with padding 0 on ``d`` and keeps
 its own chunk of the output, which is therefore a true ``Shard(d)`` of the global output. The
 backward recomputes the strip, runs the local ``convolution_backward`` and sends the halo
 gradients back to their owners (the exact adjoint of the exchange). Weight and bias gradients
@@ -51,6 +52,7 @@ from torch_tp.conv.halo import (
     _exchange_backward_start,
     _exchange_forward,
     _exchange_start,
+    _picks_of,
     _resolve_neighbours,
     _settled_on_error,
 )
@@ -159,10 +161,15 @@ def _exchange_args(plan: _Plan) -> tuple:
     return (plan.spatial_dim, *w.hops, nb)
 
 
+def _picks(plan: _Plan) -> Any:
+    """Which halo positions travel (``None``: all): those the receiver's taps read."""
+    return _picks_of(plan.window)
+
+
 def _local_input(x_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """``pad(strip[trim_left : strip_size - trim_right], (pad_left, pad_right))`` along d."""
     w, d = plan.window, plan.spatial_dim
-    strip = _exchange_forward(x_local, *_exchange_args(plan))
+    strip = _exchange_forward(x_local, *_exchange_args(plan), picks=_picks(plan))
     kept = strip.narrow(d, w.trim_left, w.strip_size - w.trim_left - w.trim_right)
     return _pad_dim(kept, d, w.pad_left, w.pad_right)
 
@@ -193,7 +200,7 @@ def _overlapped(x_local: torch.Tensor, plan: _Plan, conv: Any, *, stride: int, s
     split along the sharded dim (each carries the bias once).
     """
     w, d = plan.window, plan.spatial_dim
-    flight = _exchange_start(x_local, *_exchange_args(plan))
+    flight = _exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan))
     with _settled_on_error([flight]):  # a failing kernel must not strand the halos in flight
         local_in = x_local.new_empty(_local_shape(x_local, plan))
         _zero_edges(local_in, d, w)
@@ -381,7 +388,8 @@ def _backward_serial(x_local: torch.Tensor, w_local: torch.Tensor, weight: DTens
     else:
         gi, gw, gb = conv_backward(local_in, mask)
     if mask[0]:
-        gi = _exchange_backward(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[plan.spatial_dim])
+        gi = _exchange_backward(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[plan.spatial_dim],
+                                picks=_picks(plan))
     return gi, gw, gb
 
 
@@ -393,7 +401,7 @@ def _backward_overlapped(x_local: torch.Tensor, plan: _Plan, conv_backward: Any,
     exchanges still run one after the other, in the same order on every rank.
     """
     d = plan.spatial_dim
-    flight = _exchange_start(x_local, *_exchange_args(plan)) if mask[1] else None
+    flight = _exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan)) if mask[1] else None
     with _settled_on_error([flight] if flight is not None else []) as flights:
         local_in = x_local.new_empty(_local_shape(x_local, plan))
         gi = conv_backward(local_in, [True, False, False])[0] if mask[0] else None
@@ -401,7 +409,8 @@ def _backward_overlapped(x_local: torch.Tensor, plan: _Plan, conv_backward: Any,
             _fill_local_input(local_in, x_local, plan, flight)
         returning = None
         if mask[0]:
-            returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d])
+            returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d],
+                                                 picks=_picks(plan))
             flights.append(returning)
         gw = gb = None
         if mask[1] or mask[2]:

@@ -12,7 +12,8 @@ gives it on the *output* length. Without these handlers DTensor fails with a sha
 
 Input ``i`` adds to outputs ``i * stride - padding + k * dilation``. Each rank runs the local
 transposed convolution of its strip (padding 0 on ``d``), cuts what falls in the padding,
-sends each rank the part that lands in its output chunk and sums what it receives (the adjoint
+sends each rank the part that lands in its output chunk (only the outputs its inputs reach:
+with stride > 1 the taps can skip some) and sums what it receives (the adjoint
 of the convolution's halo exchange, :func:`torch_tp.conv._ranges._scatter_add`), then adds the
 bias. The backward gathers the gradient over the strip's reach (the forward exchange), and the
 local ``convolution_backward`` gives the input gradient with no further exchange. Weight and
@@ -36,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -46,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch_tp._layouts import shard_bounds
 from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_replicated, expand, partial_where_sharded, spatial_layout, \
     without_partials, wrap
+from torch_tp.conv._geometry import _tapped
 from torch_tp.conv._ranges import _gather, _Ranges, _ranges, _scatter_add, _slices
 from torch_tp.conv._registry import HandlerSet
 
@@ -97,18 +100,57 @@ class _Transposed:
 
     def geometry(self, k: int) -> tuple[_Ranges, int, int]:
         """The output ranges each rank's inputs reach (clipped to the output) as a :class:`_Ranges`
-        over the output chunks, and where this rank's local output starts and ends."""
+        over the output chunks, and where this rank's local output starts and ends. Where the
+        taps skip outputs of a range (stride > 1), its picks name the outputs reached: only
+        those travel."""
         i = self.dim - 2
         s, p, dil, n_out = self.stride[i], self.padding[i], self.dilation[i], self.out_shape[self.dim]
         size = self.mesh.size(self.mesh_dim)
-        reach, spans = [], []
-        for i0, i1 in shard_bounds(self.in_size, size):
-            start, stop = i0 * s - p, (i1 - 1) * s - p + dil * (k - 1) + 1
-            lo, hi = max(start, 0), min(stop, n_out)
-            reach.append((lo, hi) if i1 > i0 and hi > lo else (0, 0))
-            spans.append((start, stop))
-        rg = _ranges(self.mesh, self.mesh_dim, shard_bounds(n_out, size), reach)
+        reach, spans = _reach(self.in_size, size, n_out, stride=s, padding=p, dilation=dil, kernel_size=k)
+        bounds = shard_bounds(n_out, size)
+        picks = _reached_picks(shard_bounds(self.in_size, size), bounds, reach, stride=s, padding=p,
+                               dilation=dil, kernel_size=k)
+        rg = _ranges(self.mesh, self.mesh_dim, bounds, reach, picks)
         return rg, *spans[rg.position]
+
+
+@functools.lru_cache(maxsize=256)
+def _reach(in_size: int, size: int, n_out: int, *, stride: int, padding: int, dilation: int,
+           kernel_size: int) -> tuple[tuple, tuple]:
+    """Per rank, the output range ``[lo, hi)`` its inputs reach (clipped to the output, ``(0, 0)``
+    for none) and its local output's unclipped span.
+
+    Example:
+        >>> _reach(6, 2, 12, stride=2, padding=0, dilation=1, kernel_size=2)
+        (((0, 6), (6, 12)), ((0, 6), (6, 12)))
+    """
+    reach, spans = [], []
+    for i0, i1 in shard_bounds(in_size, size):
+        start, stop = i0 * stride - padding, (i1 - 1) * stride - padding + dilation * (kernel_size - 1) + 1
+        lo, hi = max(start, 0), min(stop, n_out)
+        reach.append((lo, hi) if i1 > i0 and hi > lo else (0, 0))
+        spans.append((start, stop))
+    return tuple(reach), tuple(spans)
+
+
+def _reached_picks(in_chunks: list, bounds: list, reach: tuple, *, stride: int, padding: int, dilation: int,
+                   kernel_size: int) -> list:
+    """Per rank, the outputs of its reach outside its own chunk that a tap of its inputs adds
+    to (``input * stride - padding + tap * dilation``), or ``None`` where that is all of them.
+
+    Example:
+        >>> # 5 inputs on 4 ranks, kernel 2, stride 3: input i adds to outputs 3i and 3i + 1
+        >>> _reached_picks([(0, 2), (2, 4), (4, 5), (5, 5)], [(0, 4), (4, 8), (8, 12), (12, 14)],
+        ...                ((0, 5), (6, 11), (12, 14), (0, 0)), stride=3, padding=0, dilation=1, kernel_size=2)
+        [None, (9, 10), None, None]
+    """
+    taps = dict(stride=stride, pad_l=padding, dilation=dilation, span=dilation * (kernel_size - 1))
+    picks = []
+    for chunk, (own_lo, own_hi), (lo, hi) in zip(in_chunks, bounds, reach):
+        outside = [(lo, min(hi, own_lo)), (max(lo, own_hi), hi)]
+        chosen = [o for a, b in outside if b > a for o in _tapped(a, b, chunk, **taps)]
+        picks.append(None if len(chosen) == sum(max(0, b - a) for a, b in outside) else tuple(chosen))
+    return picks
 
 
 _WHAT = "sharded transposed convolution"
