@@ -359,3 +359,18 @@ def test_sequence_parallel_where_the_stream_cannot_be_split_raises_naming_why(ca
         (mlp_mixer(), torch.randn(2, 3, 16, 16), "combines it with a tensor not split like it")
     with pytest.raises(PlanDerivationError, match=rf"sequence_parallel=True\): the residual stream cannot be split along the sequence: .*{why}"):
         suggest_plan(model, tp_mesh(), (example,), sequence_parallel=True)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@on_ranks(2)
+def test_layers_that_read_one_input_convert_it_once_so_the_derived_plan_communicates_as_the_shipped_one(sequence_parallel):
+    from torch_tp.testing import communication_of
+
+    reference, tokens = small_llama(seed=0), torch.randint(0, VOCAB, (2, 8))
+    counts = {}
+    for name, plan in (("derived", suggest_plan(reference, tp_mesh(), (tokens,), sequence_parallel=sequence_parallel)),
+                       ("shipped", tensor_parallel_plan(sequence_parallel=sequence_parallel))):
+        model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+        counts[name] = communication_of(lambda: model(tokens).square().mean().backward())[1]
+        counts[name].pop("agreement checks", None)  # forward-time checks of plain inputs: the derived plan has more
+    assert counts["derived"] == counts["shipped"], counts

@@ -50,12 +50,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, same_input, to_dtensor
+from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, to_dtensor
 from torch_tp.overlap._ring import ring_all_gather_matmul
 from torch_tp.parallel import rules
+from torch_tp.parallel._shared_input import shared_input_of
 
-__all__ = ["COMM_DTYPES", "SharedGather", "dequantize_tokens", "install_colwise", "install_rowwise_output",
-           "quantize_tokens", "share_gather"]
+__all__ = ["COMM_DTYPES", "dequantize_tokens", "install_colwise", "install_rowwise_output", "quantize_tokens"]
 
 #: The ``comm_dtype`` values the styles take (``None``: the activation's own dtype).
 COMM_DTYPES = (torch.int8,)
@@ -213,55 +213,12 @@ def _colwise_forward(module: nn.Linear, x, *, device_mesh: DeviceMesh, layout: S
     x = redistribute_to(raw, layout) if isinstance(raw, DTensor) else agreed_dtensor(raw, device_mesh, layout, what=what)
     dim = layout.dim % x.ndim
     _require_even(x, dim, device_mesh.size(), what)
-    shared = getattr(module, "_torch_tp_int8_gather", None)
-    if shared is not None:
-        whole = shared.gathered(module, raw, lambda: torch.ops.torch_tp.int8_all_gather(x.to_local(), dim, group_name))
-    else:
-        whole = torch.ops.torch_tp.int8_all_gather(x.to_local(), dim, group_name)
+    shared = shared_input_of(module)  # wq/wk/wv (w1/w3): one int8 gather, one reduce-scatter back
+    gather = lambda: torch.ops.torch_tp.int8_all_gather(x.to_local(), dim, group_name)  # noqa: E731
+    whole = gather() if shared is None else shared.converted(module, raw, gather)
     bias = None if module.bias is None else module.bias.to_local()
     y = F.linear(whole, module.weight.to_local(), bias)
     return to_dtensor(y, device_mesh, Shard(y.ndim - 1), sharded_dim_size=module.out_features)
-
-
-class SharedGather:
-    """Sibling ``ColwiseParallel(comm_dtype=torch.int8)`` layers that read one input (wq/wk/wv,
-    w1/w3) gather it once: the first member called gathers, the others called on the same
-    input take the gathered tensor, whose gradient autograd sums over the members before its
-    one int8 reduce-scatter. A member called on another input, or twice, gathers anew.
-
-    Example::
-
-        >>> group = SharedGather([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
-        >>> x = torch.ones(2)
-        >>> group.gathered(group.members[0], x, lambda: x * 2) is group.gathered(group.members[1], x, lambda: x * 3)
-        True
-    """
-
-    def __init__(self, members: list[nn.Module]):
-        self.members = members
-        self.input: torch.Tensor | None = None
-        self.whole: torch.Tensor | None = None
-        self.served: set[int] = set()
-
-    def gathered(self, member: nn.Module, raw: torch.Tensor, gather) -> torch.Tensor:
-        """``member``'s gathered input: this round's if ``raw`` is its input and ``member`` has not taken it."""
-        key = id(member)
-        if self.whole is None or key in self.served or not same_input(raw, self.input):
-            self.input, self.whole, self.served = raw, gather(), set()
-        self.served.add(key)
-        whole = self.whole
-        if len(self.served) == len(self.members):  # every member served: let the tensors go
-            self.input = self.whole = None
-            self.served = set()
-        return whole
-
-
-def share_gather(members: list[nn.Module]) -> SharedGather:
-    """Make the ``ColwiseParallel(comm_dtype=torch.int8)`` siblings ``members`` share one int8 gather."""
-    group = SharedGather(list(members))
-    for member in members:
-        member._torch_tp_int8_gather = group
-    return group
 
 
 def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path) -> None:

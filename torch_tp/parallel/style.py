@@ -33,6 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward
 from torch_tp.parallel import _int8_comm, _overlap, rules
+from torch_tp.parallel._shared_input import share_input, shared_input_of
 from torch_tp.parallel._style_base import ParallelStyle
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
@@ -169,7 +170,12 @@ def _sharded_input(module, args, *, device_mesh, layout, desired, sharded_dim_si
     size = sharded_dim_size if _shards_last_dim(layout, x.ndim) else None
     layout, desired = _packed(layout, packed, x.ndim), _packed(desired, packed, x.ndim)
     what = f"{style} on {rules.describe(module, module_path)}"
-    return (redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed, what), desired), *args[1:])
+
+    def convert():
+        return redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed, what), desired)
+
+    shared = shared_input_of(module)  # siblings reading one input: one DTensor, one reduction back
+    return (convert() if shared is None else shared.converted(module, x, convert), *args[1:])
 
 
 def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, packed: int, what: str) -> DTensor:
@@ -324,8 +330,8 @@ class ColwiseParallel(_LinearStyle):
     def link_siblings(self, modules, where):
         if self.overlap and len(modules) > 1:
             _overlap.share_gather(modules, where)
-        elif self.comm_dtype is not None and len(modules) > 1:
-            _int8_comm.share_gather(modules)
+        elif len(modules) > 1:  # one input conversion (or int8 gather), one reduction back
+            share_input(modules)
 
 
 class RowwiseParallel(_LinearStyle):
