@@ -3,7 +3,7 @@
 Command (spawns 2 gloo CPU ranks and prints one table)::
 
     python3 benchmarks/suggest_plan.py            # 20 timed steps per row (~60 s)
-    python3 benchmarks/suggest_plan.py --quick    # 3 steps (the smoke test)
+    python3 benchmarks/suggest_plan.py --quick    # 3 steps, no ViT (the smoke test)
 
 Under ``torchrun --nproc-per-node 2 benchmarks/suggest_plan.py`` the launcher's ranks are used.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 import os
 import statistics
 import sys
@@ -56,6 +57,11 @@ from _driver import RunConfig, markdown_table, parse_arguments, report_header, r
 COLUMNS = ("model", "plan", "bytes split", "derive ms", "step ms", "vs replicated", "same layers")
 
 
+@dataclass(frozen=True)
+class Config(RunConfig):
+    quick: bool = False
+
+
 class _Output(nn.Module):
     """A transformers model with one tensor as its output (logits, or the last hidden state)."""
 
@@ -68,15 +74,18 @@ class _Output(nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def _models() -> list[tuple[str, nn.Module, torch.Tensor, dict | None, bool]]:
-    """(name, model, batch, the plan it ships or None, sequence parallel), each built from seed 0."""
+def _models(quick: bool) -> list[tuple[str, nn.Module, torch.Tensor, dict | None, bool]]:
+    """(name, model, batch, the plan it ships or None, sequence parallel), each built from seed 0.
+    ``quick`` leaves out the ViT, whose derivation spends ~15 s in DTensor's sharding propagation
+    through CPU attention (its probe on DTensors; ``tests/parallel/test_suggest.py`` derives it)."""
     torch.manual_seed(0)
     llama = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=8, vocab_size=256, ffn_hidden=256, max_seq_len=64))
     tokens = torch.randint(0, 256, (4, 64))
     models = [("zoo Llama", llama, tokens, tensor_parallel_plan(), False),
               ("zoo Llama, sequence parallel", llama, tokens, tensor_parallel_plan(sequence_parallel=True), True),
-              ("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None, False),
-              ("zoo ViT (timm's)", vit(image_size=64, patch=8, dim=128, num_heads=8), torch.randn(8, 3, 64, 64), None, False)]
+              ("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None, False)]
+    if not quick:
+        models.append(("zoo ViT (timm's)", vit(image_size=64, patch=8, dim=128, num_heads=8), torch.randn(8, 3, 64, 64), None, False))
     try:
         import transformers
     except ImportError:
@@ -131,10 +140,10 @@ def _same_layers(reference: nn.Module, derived: dict, shipped: dict) -> str:
     return f"{'yes' if same else 'NO'} ({len(pairs)} layers)"
 
 
-def rank_main(config: RunConfig) -> None:
+def rank_main(config: Config) -> None:
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     rows = []
-    for name, reference, batch, shipped, sequence_parallel in _models():
+    for name, reference, batch, shipped, sequence_parallel in _models(config.quick):
         reference, batch = reference.to(rank_device()), batch.to(rank_device())
         began = time.perf_counter()
         derived = suggest_plan(reference, mesh, (batch,), sequence_parallel=sequence_parallel)
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_arguments(argv, __file__, __doc__, iters=(20, 3), warmup=(3, 1), what="plan",
                               quick="3 timed steps per row")
     nproc = world_sizes("2")[0]
-    rows = run_world(rank_main, nproc, RunConfig(iters=options.iters, warmup=options.warmup))
+    rows = run_world(rank_main, nproc, Config(iters=options.iters, warmup=options.warmup, quick=options.quick))
     if not rows:
         return
     print(report_header(options, ranks=f"{nproc} ranks"))

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-import torch_tp.parallel._int8_comm  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
+import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.testing import (
@@ -59,7 +59,7 @@ def _ce(logits, targets):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
-@on_ranks(2, 4)
+@on_ranks(2)
 def test_the_int8_sequence_parallel_llama_trains_like_one_process_within_the_quantization_error(overlap):
     reference = small_llama(seed=0)
     model = parallelize_module(copy.deepcopy(reference), tp_mesh(),
@@ -71,7 +71,7 @@ def test_the_int8_sequence_parallel_llama_trains_like_one_process_within_the_qua
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
-@on_ranks(2, 4)
+@on_ranks(4)
 def test_int8_communication_moves_at_most_027_of_the_float32_plans_bytes_forward_and_backward(overlap):
     # counted by gloo (the profiler's gloo events, the ring's sends too); per token E int8 bytes
     # and a 4-byte scale against 4E: (E + 4) / 4E = 0.254 at E = 256, plus the same 8-byte

@@ -26,5 +26,6 @@ Example::
     >>> y = matmul_reduce_scatter(h, w2.t(), scatter_dim=1, group=mesh)   # back to 8 tokens
 """
 
+from torch_tp.overlap import _int8_comm  # noqa: F401  (registers torch.ops.torch_tp.int8_* and the fused int8 ops)
 from torch_tp.overlap.ops import *  # noqa: F401,F403  (the public functions; see ops.__all__)
 from torch_tp.overlap.ops import __all__  # noqa: F401

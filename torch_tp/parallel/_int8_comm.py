@@ -1,40 +1,17 @@
-"""Sequence-parallel collectives that move int8: ``comm_dtype=torch.int8`` on the styles.
+"""``comm_dtype=torch.int8`` on the styles: their sequence-parallel collectives move int8.
 
-==========================================  ==============================================  ==============================
-op                                          forward                                         backward
-==========================================  ==============================================  ==============================
-``torch_tp::int8_all_gather(x, dim, g)``    every token (a row of the last dim) quantized   ``int8_reduce_scatter`` of the
-                                            (symmetric, one float32 scale per token), the   gradient
-                                            int8 rows and their scales packed in one
-                                            buffer, one all-gather, dequantized in place
-``torch_tp::int8_reduce_scatter(x, dim,     ``x`` cut into the ranks' chunks along ``dim``, ``int8_all_gather`` of the
-g)``                                        each chunk quantized per token, one             gradient
-                                            all-to-all of the packed chunks, each rank's
-                                            received chunks dequantized and summed in
-                                            float32
-``torch_tp::int8_all_gather_matmul(a,      ``overlap=True``'s ring (:mod:`torch_tp.overlap.  ``int8_reduce_scatter`` of the
-bs, dim, g)``                               _ring`) moving packed int8 tokens, each chunk   summed input gradients
-                                            dequantized and multiplied as it arrives
-``torch_tp::matmul_int8_reduce_scatter(a,   pairwise: at step ``k`` the quantized partial   ``int8_all_gather_matmul`` of
-b, dim, g)``                                sum for rank ``r + k`` goes straight there      the gradient
-                                            while the next one is multiplied
-==========================================  ==============================================  ==============================
-
-What travels per token of ``E`` features: ``E`` int8 bytes and one 4-byte scale, against
-``4 E`` (float32) or ``2 E`` (bfloat16) bytes: ``(E + 4) / 4E`` of float32, 0.258 at
-``E = 128``. The error: each element is within half a step (``amax / 254`` of its token) of
-the value sent; a reduce-scatter adds the ranks' rounding errors (each partial sum is
-quantized once, before the sum), so its error grows with the ranks, not with the hops.
-
-Each op is one c10d collective, waited before it returns (two functional collectives in
-flight at once over gloo corrupt the heap in torch 2.13: :mod:`torch_tp.quant._ops_collective`).
-Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces
-each call as one node (no graph break), and each other's autograd.
+``ColwiseParallel(input_layouts=Shard(1), comm_dtype=torch.int8)`` gathers its input with
+``torch.ops.torch_tp.int8_all_gather`` and runs ``nn.Linear``'s matmul on the local weight shard
+(siblings reading one input share the gather: :mod:`torch_tp.parallel._shared_input`);
+``RowwiseParallel(output_layouts=Shard(1), comm_dtype=torch.int8)`` reduce-scatters its partial
+sums with ``torch.ops.torch_tp.int8_reduce_scatter`` in its output hook. With ``overlap=True``
+the fused forwards of :mod:`torch_tp.parallel._overlap` call the fused int8 ops instead. The ops,
+what they move and their error: :mod:`torch_tp.overlap._int8_comm`.
 
 Example::
 
     >>> # xdoctest: +SKIP("needs an initialized process group")
-    >>> full = torch.ops.torch_tp.int8_all_gather(x_local, 1, group.group_name)   # (B, T, E)
+    >>> parallelize_module(model, mesh, tensor_parallel_plan(sequence_parallel=True, comm_dtype=torch.int8))
 """
 
 from __future__ import annotations
@@ -42,163 +19,20 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
 from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, to_dtensor
-from torch_tp.overlap._ring import ring_all_gather_matmul
 from torch_tp.parallel import rules
 from torch_tp.parallel._shared_input import shared_input_of
 
-__all__ = ["COMM_DTYPES", "dequantize_tokens", "install_colwise", "install_rowwise_output", "quantize_tokens"]
+__all__ = ["COMM_DTYPES", "install_colwise", "install_rowwise_output"]
 
 #: The ``comm_dtype`` values the styles take (``None``: the activation's own dtype).
 COMM_DTYPES = (torch.int8,)
-
-_QMAX = 127.0
-
-
-def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(int8 values, float32 scale per token)`` of ``x``: symmetric, one scale per row of its
-    last dim (``amax / 127``; a row of zeros gets scale 1).
-
-    Example::
-
-        >>> q, scale = quantize_tokens(torch.tensor([[1.0, -0.5], [0.0, 0.0]]))
-        >>> q.tolist(), scale.flatten().tolist()
-        ([[127, -64], [0, 0]], [0.007874015718698502, 1.0])
-    """
-    x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
-    return torch.clamp(torch.round(x32 / scale), -_QMAX, _QMAX).to(torch.int8), scale
-
-
-def dequantize_tokens(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``q * scale`` as ``dtype``.
-
-    Example::
-
-        >>> dequantize_tokens(torch.tensor([[127, -64]], dtype=torch.int8), torch.tensor([[0.5]]), torch.float32)
-        tensor([[ 63.5000, -32.0000]])
-    """
-    return (q.float() * scale).to(dtype)
-
-
-def _packed(x: Tensor) -> Tensor:
-    """``x`` (``(..., E)``) quantized per token, as one int8 row per leading index: the int8
-    values, then the scales' bytes."""
-    q, scale = quantize_tokens(x)
-    rows = x.shape[0]
-    return torch.cat([q.reshape(rows, -1), scale.reshape(rows, -1).view(torch.int8)], dim=1)
-
-
-def _unpacked(packed: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
-    """The inverse of :func:`_packed`: ``packed`` ``(rows, bytes)`` back to floats of ``shape``."""
-    per_row = _numel(shape[1:])
-    q = packed[:, :per_row].reshape(shape)
-    scale = packed[:, per_row:].contiguous().view(torch.float32).reshape(*shape[:-1], 1)
-    return dequantize_tokens(q, scale, dtype)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
-def _check(x: Tensor, dim: int, op: str) -> None:
-    if not 0 <= dim < x.ndim - 1:
-        raise ValueError(
-            f"torch_tp.parallel._int8_comm.{op}: dim={dim} for an input of shape {tuple(x.shape)}: it must be "
-            f"a leading dim (the sequence), not the features, which are quantized per token"
-        )
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"torch_tp.parallel._int8_comm.{op}: the input must be floating point, got {x.dtype}")
-
-
-# ------------------------------------------------------------------ all-gather
-
-
-@torch.library.custom_op("torch_tp::int8_all_gather", mutates_args=())
-def _int8_all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
-    _check(x, dim, "int8_all_gather")
-    group = _resolve_process_group(group_name)
-    world = group.size()
-    front = x.movedim(dim, 0).contiguous()
-    packed = _packed(front)
-    gathered = packed.new_empty(world * packed.shape[0], packed.shape[1])
-    dist.all_gather_into_tensor(gathered, packed, group=group)
-    whole = _unpacked(gathered, [world * front.shape[0], *front.shape[1:]], x.dtype)
-    return whole.movedim(0, dim).contiguous()
-
-
-@_int8_all_gather.register_fake
-def _int8_all_gather_fake(x, dim, group_name):
-    _check(x, dim, "int8_all_gather")
-    shape = list(x.shape)
-    shape[dim] *= _resolve_process_group(group_name).size()
-    return x.new_empty(shape)
-
-
-def _all_gather_backward(ctx, grad):
-    return torch.ops.torch_tp.int8_reduce_scatter(grad, ctx.dim, ctx.group_name), None, None
-
-
-def _setup(ctx, inputs, output):
-    _, ctx.dim, ctx.group_name = inputs
-
-
-_int8_all_gather.register_autograd(_all_gather_backward, setup_context=_setup)
-
-
-# ------------------------------------------------------------------ reduce-scatter
-
-
-@torch.library.custom_op("torch_tp::int8_reduce_scatter", mutates_args=())
-def _int8_reduce_scatter(x: Tensor, dim: int, group_name: str) -> Tensor:
-    _check(x, dim, "int8_reduce_scatter")
-    group = _resolve_process_group(group_name)
-    world = group.size()
-    _check_even(x, dim, world)
-    front = x.movedim(dim, 0).contiguous()
-    chunk = [front.shape[0] // world, *front.shape[1:]]
-    packed = _packed(front.reshape(world, *chunk).flatten(1, -2))
-    received = torch.empty_like(packed)
-    dist.all_to_all_single(received, packed, group=group)
-    parts = _unpacked(received, [world, _numel(chunk[:-1]), chunk[-1]], torch.float32)
-    return parts.sum(0).reshape(chunk).to(x.dtype).movedim(0, dim).contiguous()
-
-
-def _check_even(x: Tensor, dim: int, world: int) -> None:
-    if x.shape[dim] % world:
-        raise ValueError(
-            f"torch_tp.parallel._int8_comm.int8_reduce_scatter: dim {dim} of the input has size {x.shape[dim]}, "
-            f"which does not split evenly over {world} ranks; use a sequence length that does, or comm_dtype=None"
-        )
-
-
-@_int8_reduce_scatter.register_fake
-def _int8_reduce_scatter_fake(x, dim, group_name):
-    _check(x, dim, "int8_reduce_scatter")
-    world = _resolve_process_group(group_name).size()
-    _check_even(x, dim, world)
-    shape = list(x.shape)
-    shape[dim] //= world
-    return x.new_empty(shape)
-
-
-def _reduce_scatter_backward(ctx, grad):
-    return torch.ops.torch_tp.int8_all_gather(grad, ctx.dim, ctx.group_name), None, None
-
-
-_int8_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_setup)
 
 
 # ------------------------------------------------------------------ the styles' forwards
@@ -263,132 +97,3 @@ def _require_even(x: DTensor, dim: int, ranks: int, what: str) -> None:
             f"evenly; the int8 collectives move equal pieces: pad the sequence to a multiple of {ranks}, "
             f"or use comm_dtype=None"
         )
-
-
-# ------------------------------------------------------------------ fused with the matmul (overlap=True)
-
-
-def _inner_shape(a: Tensor, dim: int) -> list[int]:
-    return list(a.movedim(dim, 0).shape[1:])
-
-
-@torch.library.custom_op("torch_tp::int8_all_gather_matmul", mutates_args=())
-def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, group_name: str) -> tuple[Tensor, list[Tensor]]:
-    """``all_gather_matmul`` whose ring moves every token as int8 with its scale: each chunk is
-    dequantized as it arrives and multiplied while the next one travels."""
-    _check(a_shard, gather_dim, "int8_all_gather_matmul")
-    group = _resolve_process_group(group_name)
-    front = a_shard.movedim(gather_dim, 0).contiguous()
-    inner = list(front.shape[1:])
-
-    def chunk_matmul(chunk: Tensor) -> list[Tensor]:
-        x = _unpacked(chunk, [chunk.shape[0], *inner], a_shard.dtype)
-        return [torch.matmul(x, b).reshape(chunk.shape[0], -1) for b in bs]
-
-    packed, outs = ring_all_gather_matmul(_packed(front), chunk_matmul, group)
-    rows = group.size() * front.shape[0]
-    gathered = _unpacked(packed, [rows, *inner], a_shard.dtype).movedim(0, gather_dim).contiguous()
-    return gathered, [o.reshape(rows, *inner[:-1], b.shape[-1]).movedim(0, gather_dim).contiguous()
-                      for o, b in zip(outs, bs)]
-
-
-@_int8_all_gather_matmul.register_fake
-def _int8_all_gather_matmul_fake(a_shard, bs, gather_dim, group_name):
-    _check(a_shard, gather_dim, "int8_all_gather_matmul")
-    shape = list(a_shard.shape)
-    shape[gather_dim] *= _resolve_process_group(group_name).size()
-    return a_shard.new_empty(shape), [a_shard.new_empty([*shape[:-1], b.shape[-1]]) for b in bs]
-
-
-def _int8_all_gather_matmul_setup(ctx, inputs, output):
-    _, bs, ctx.dim, ctx.group_name = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[0] if any(b.requires_grad for b in bs) else None, *bs)
-
-
-def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
-def _int8_all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
-    gathered, *bs = ctx.saved_tensors
-    grad_a = None
-    if ctx.needs_input_grad[0]:  # the members' input gradients summed, then one int8 reduce-scatter
-        terms = [g @ b.t() for g, b in zip(grad_outs, bs) if g is not None]
-        if grad_gathered is not None:
-            terms.append(grad_gathered)
-        if terms:
-            grad_a = torch.ops.torch_tp.int8_reduce_scatter(torch.stack(terms).sum(0) if len(terms) > 1 else terms[0],
-                                                            ctx.dim, ctx.group_name)
-    grad_bs = [_rows(gathered).t() @ _rows(g) if need and g is not None else None
-               for need, g in zip(ctx.needs_input_grad[1], grad_outs)]
-    return grad_a, grad_bs, None, None
-
-
-_int8_all_gather_matmul.register_autograd(_int8_all_gather_matmul_backward, setup_context=_int8_all_gather_matmul_setup)
-
-
-def _pairwise_reduce_scatter(front: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``reduce_scatter(front @ b)`` on dim 0: at step ``k`` each rank sends its quantized
-    partial sum for rank ``r + k`` straight there and receives rank ``r - k``'s for itself,
-    while it multiplies the chunk for the next step; its own chunk is never quantized. Each
-    partial sum is quantized once (the all-to-all's error), and the sum is in float32."""
-    position, size = group.rank(), group.size()
-    chunks = front.chunk(size)
-    shape = [*chunks[0].shape[:-1], b.shape[-1]]
-
-    def partial(rank: int) -> Tensor:
-        return torch.matmul(chunks[rank], b)
-
-    total = partial(position).float()
-    outgoing = _packed(partial((position + 1) % size)) if size > 1 else None
-    for step in range(1, size):
-        to, source = (position + step) % size, (position - step) % size
-        incoming = torch.empty_like(outgoing)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, outgoing, peer=dist.get_global_rank(group, to), group=group),
-            dist.P2POp(dist.irecv, incoming, peer=dist.get_global_rank(group, source), group=group),
-        ])
-        try:  # the next step's partial sum while this one travels
-            upcoming = _packed(partial((position + step + 1) % size)) if step + 1 < size else None
-        finally:
-            for work in works:
-                work.wait()
-        total += _unpacked(incoming, shape, torch.float32)
-        outgoing = upcoming
-    return total.to(front.dtype)
-
-
-@torch.library.custom_op("torch_tp::matmul_int8_reduce_scatter", mutates_args=())
-def _matmul_int8_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str) -> Tensor:
-    """``matmul_reduce_scatter`` whose partial sums travel as int8 with one scale per token."""
-    _check(a, scatter_dim, "matmul_int8_reduce_scatter")
-    group = _resolve_process_group(group_name)
-    _check_even(a, scatter_dim, group.size())
-    return _pairwise_reduce_scatter(a.movedim(scatter_dim, 0), b, group).movedim(0, scatter_dim).contiguous()
-
-
-@_matmul_int8_reduce_scatter.register_fake
-def _matmul_int8_reduce_scatter_fake(a, b, scatter_dim, group_name):
-    _check(a, scatter_dim, "matmul_int8_reduce_scatter")
-    world = _resolve_process_group(group_name).size()
-    _check_even(a, scatter_dim, world)
-    shape = [*a.shape[:-1], b.shape[-1]]
-    shape[scatter_dim] //= world
-    return a.new_empty(shape)
-
-
-def _matmul_int8_reduce_scatter_setup(ctx, inputs, output):
-    a, b, ctx.dim, ctx.group_name = inputs
-    ctx.save_for_backward(a if b.requires_grad else None, b)
-
-
-def _matmul_int8_reduce_scatter_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    gathered, (grad_a,) = torch.ops.torch_tp.int8_all_gather_matmul(grad, [b.t()], ctx.dim, ctx.group_name)
-    grad_b = _rows(a).t() @ _rows(gathered) if ctx.needs_input_grad[1] else None
-    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
-
-
-_matmul_int8_reduce_scatter.register_autograd(_matmul_int8_reduce_scatter_backward,
-                                              setup_context=_matmul_int8_reduce_scatter_setup)

@@ -28,7 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
-import torch_tp.parallel._int8_comm  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
 from torch_tp._layouts import redistribute_to, replace_forward, same_input, to_dtensor
 from torch_tp.parallel import rules
 

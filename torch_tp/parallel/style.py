@@ -274,7 +274,7 @@ class ColwiseParallel(_LinearStyle):
         comm_dtype (torch.dtype, optional): torch_tp only. ``torch.int8``, with a
             sequence-sharded input (``input_layouts=Shard(1)``): the input all-gather moves
             each token as int8 with one float32 scale (and the input gradient's
-            reduce-scatter too; :mod:`torch_tp.parallel._int8_comm`), about a quarter of the
+            reduce-scatter too; :mod:`torch_tp.overlap._int8_comm`), about a quarter of the
             float32 bytes, within half a quantization step per element. ``nn.Linear`` only;
             with ``overlap=True`` the fused ring moves the int8 tokens (float weights).
             Default ``None`` (the activation's dtype).
@@ -366,7 +366,7 @@ class RowwiseParallel(_LinearStyle):
             sequence-sharded output (``output_layouts=Shard(1)``): the reduce-scatter moves
             each rank's partial sums as int8 with one float32 scale per token (an all-to-all,
             summed in float32 on arrival), and the output gradient's all-gather moves int8
-            too (:mod:`torch_tp.parallel._int8_comm`). Linear and Embedding; with
+            too (:mod:`torch_tp.overlap._int8_comm`). Linear and Embedding; with
             ``overlap=True`` the fused op sends each partial sum as int8 while the next is
             multiplied (float weights). Default ``None`` (the activation's dtype).
 
