@@ -3,7 +3,7 @@
 Command (spawns 2 gloo CPU ranks and prints one table)::
 
     python3 benchmarks/suggest_plan.py            # 20 timed steps per row (~60 s)
-    python3 benchmarks/suggest_plan.py --quick    # 3 steps, no ViT (the smoke test)
+    python3 benchmarks/suggest_plan.py --quick    # 3 steps, 4 models (the smoke test)
 
 Under ``torchrun --nproc-per-node 2 benchmarks/suggest_plan.py`` the launcher's ranks are used.
 
@@ -76,14 +76,17 @@ class _Output(nn.Module):
 
 def _models(quick: bool) -> list[tuple[str, nn.Module, torch.Tensor, dict | None, bool]]:
     """(name, model, batch, the plan it ships or None, sequence parallel), each built from seed 0.
-    ``quick`` leaves out the ViT, whose derivation spends ~15 s in DTensor's sharding propagation
-    through CPU attention (its probe on DTensors; ``tests/parallel/test_suggest.py`` derives it)."""
+    ``quick`` (the smoke test) keeps the zoo Llama, the Mixer, BERT and Qwen3: the ViT's derivation
+    spends ~15 s in DTensor's sharding propagation through CPU attention (its probe on DTensors),
+    and the unit tests derive it, GPT-2 and the sequence-parallel Llama (``tests/parallel/
+    test_suggest.py``, ``tests/integrations/test_suggest_transformers.py``)."""
     torch.manual_seed(0)
     llama = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=8, vocab_size=256, ffn_hidden=256, max_seq_len=64))
     tokens = torch.randint(0, 256, (4, 64))
-    models = [("zoo Llama", llama, tokens, tensor_parallel_plan(), False),
-              ("zoo Llama, sequence parallel", llama, tokens, tensor_parallel_plan(sequence_parallel=True), True),
-              ("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None, False)]
+    models = [("zoo Llama", llama, tokens, tensor_parallel_plan(), False)]
+    if not quick:
+        models.append(("zoo Llama, sequence parallel", llama, tokens, tensor_parallel_plan(sequence_parallel=True), True))
+    models.append(("zoo MLP-Mixer", mlp_mixer(image_size=64, patch=8, dim=128), torch.randn(8, 3, 64, 64), None, False))
     if not quick:
         models.append(("zoo ViT (timm's)", vit(image_size=64, patch=8, dim=128, num_heads=8), torch.randn(8, 3, 64, 64), None, False))
     try:
@@ -101,8 +104,8 @@ def _models(quick: bool) -> list[tuple[str, nn.Module, torch.Tensor, dict | None
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=128, n_layer=2, n_head=8, vocab_size=256, n_positions=64, use_cache=False, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    return models + [("transformers BERT", _Output(bert), tokens, None, False),
-                     ("transformers GPT-2", _Output(gpt2), tokens, None, False),
+    gpt2_row = [] if quick else [("transformers GPT-2", _Output(gpt2), tokens, None, False)]
+    return models + [("transformers BERT", _Output(bert), tokens, None, False), *gpt2_row,
                      ("transformers Qwen3", _Output(qwen3), tokens, _prefixed(tp_plan(qwen3), "model."), False)]
 
 
