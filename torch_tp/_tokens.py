@@ -1,10 +1,12 @@
-"""Tokens as int8 with one float32 scale each, for the collectives that move activations as int8.
+"""Rows as int8 with one float32 scale each: the one symmetric int8 rule of torch_tp.
 
-A token is a row of an activation's last dim (its features). :func:`quantize_tokens` is
-symmetric (``scale = amax / 127``, a row of zeros gets scale 1); :func:`packed_tokens` lays each
-leading row's int8 values and then its scales' bytes out in one int8 row, so one collective
-moves both; :func:`unpacked_tokens` reverses it. Used by the int8 communication ops of
-:mod:`torch_tp.overlap` (``comm_dtype=torch.int8``). This module imports nothing from torch_tp.
+A row is a slice of a tensor's last dim: a weight's row (``torch_tp.quant``'s per-row weights
+quantize through :func:`quantize_tokens`) or an activation's token (its features).
+:func:`quantize_tokens` is symmetric (``scale = amax / 127``; a row of zeros, or of no
+elements, gets scale 1); :func:`packed_tokens` lays each leading row's int8 values and then
+its scales' bytes out in one int8 row, so one collective moves both; :func:`unpacked_tokens`
+reverses it. The packing serves the int8 communication ops of :mod:`torch_tp.overlap`
+(``comm_dtype=torch.int8``). This module imports nothing from torch_tp.
 
 Example::
 
@@ -19,14 +21,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["dequantize_tokens", "numel", "packed_tokens", "quantize_tokens", "unpacked_tokens"]
+__all__ = ["QMAX", "dequantize_tokens", "numel", "packed_tokens", "quantize_tokens", "unpacked_tokens"]
 
-_QMAX = 127.0
+#: The largest int8 magnitude used: the range is symmetric, [-127, 127].
+QMAX = 127
 
 
 def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(int8 values, float32 scale per token)`` of ``x``: symmetric, one scale per row of its
-    last dim (``amax / 127``; a row of zeros gets scale 1).
+    """``(int8 values, float32 scale per row)`` of ``x``: symmetric, one scale per row of its
+    last dim (``amax / 127``; a row of zeros, or of no elements, gets scale 1).
 
     Example::
 
@@ -35,13 +38,16 @@ def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
         ([[127, -64], [0, 0]], [0.007874015718698502, 1.0])
     """
     x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
-    return torch.clamp(torch.round(x32 / scale), -_QMAX, _QMAX).to(torch.int8), scale
+    if x32.shape[-1] == 0:  # rows of no elements (amax refuses them): scale 1
+        amax = x32.new_zeros(*x32.shape[:-1], 1)
+    else:
+        amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return torch.clamp(torch.round(x32 / scale), -QMAX, QMAX).to(torch.int8), scale
 
 
 def dequantize_tokens(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``q * scale`` as ``dtype``.
+    """``q * scale`` in float32, returned as ``dtype`` (``scale`` broadcasts over ``q``).
 
     Example::
 

@@ -15,8 +15,9 @@ g)``                                        each chunk quantized per token, one 
 ``torch_tp::int8_all_gather_matmul(a,      ``overlap=True``'s ring (:mod:`torch_tp.overlap.  ``int8_reduce_scatter`` of the
 bs, dim, g)``                               _ring`) moving packed int8 tokens, each chunk   summed input gradients
                                             dequantized and multiplied as it arrives
-``torch_tp::matmul_int8_reduce_scatter(a,   pairwise: at step ``k`` the quantized partial   ``int8_all_gather_matmul`` of
-b, dim, g)``                                sum for rank ``r + k`` goes straight there      the gradient
+``torch_tp::matmul_int8_reduce_scatter(a,   :mod:`torch_tp.overlap._ring`'s pairwise        ``int8_all_gather_matmul`` of
+b, dim, g)``                                schedule: at step ``k`` the quantized partial   the gradient
+                                            sum for rank ``r + k`` goes straight there
                                             while the next one is multiplied
 ==========================================  ==============================================  ==============================
 
@@ -45,10 +46,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torch_tp._tokens import numel, packed_tokens, unpacked_tokens
-from torch_tp.overlap._ring import ring_all_gather_matmul
+from torch_tp.overlap._custom_ops import _rows, gathered_shape, group_size, resolve_group, scattered_shape
+from torch_tp.overlap._ring import pairwise_matmul_reduce_scatter, ring_all_gather_matmul
 
 __all__: list[str] = []
 
@@ -69,7 +70,7 @@ def _check(x: Tensor, dim: int, op: str) -> None:
 @torch.library.custom_op("torch_tp::int8_all_gather", mutates_args=())
 def _int8_all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
     _check(x, dim, "int8_all_gather")
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     world = group.size()
     front = x.movedim(dim, 0).contiguous()
     packed = packed_tokens(front)
@@ -82,9 +83,7 @@ def _int8_all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
 @_int8_all_gather.register_fake
 def _int8_all_gather_fake(x, dim, group_name):
     _check(x, dim, "int8_all_gather")
-    shape = list(x.shape)
-    shape[dim] *= _resolve_process_group(group_name).size()
-    return x.new_empty(shape)
+    return x.new_empty(gathered_shape(x, dim, group_size(group_name)))
 
 
 def _all_gather_backward(ctx, grad):
@@ -104,7 +103,7 @@ _int8_all_gather.register_autograd(_all_gather_backward, setup_context=_setup)
 @torch.library.custom_op("torch_tp::int8_reduce_scatter", mutates_args=())
 def _int8_reduce_scatter(x: Tensor, dim: int, group_name: str) -> Tensor:
     _check(x, dim, "int8_reduce_scatter")
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     world = group.size()
     _check_even(x, dim, world)
     front = x.movedim(dim, 0).contiguous()
@@ -127,11 +126,8 @@ def _check_even(x: Tensor, dim: int, world: int) -> None:
 @_int8_reduce_scatter.register_fake
 def _int8_reduce_scatter_fake(x, dim, group_name):
     _check(x, dim, "int8_reduce_scatter")
-    world = _resolve_process_group(group_name).size()
-    _check_even(x, dim, world)
-    shape = list(x.shape)
-    shape[dim] //= world
-    return x.new_empty(shape)
+    _check_even(x, dim, group_size(group_name))
+    return x.new_empty(scattered_shape(x, x.shape[-1], dim, group_size(group_name)))
 
 
 def _reduce_scatter_backward(ctx, grad):
@@ -149,7 +145,7 @@ def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, 
     """``all_gather_matmul`` whose ring moves every token as int8 with its scale: each chunk is
     dequantized as it arrives and multiplied while the next one travels."""
     _check(a_shard, gather_dim, "int8_all_gather_matmul")
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     front = a_shard.movedim(gather_dim, 0).contiguous()
     inner = list(front.shape[1:])
 
@@ -167,8 +163,7 @@ def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, 
 @_int8_all_gather_matmul.register_fake
 def _int8_all_gather_matmul_fake(a_shard, bs, gather_dim, group_name):
     _check(a_shard, gather_dim, "int8_all_gather_matmul")
-    shape = list(a_shard.shape)
-    shape[gather_dim] *= _resolve_process_group(group_name).size()
+    shape = gathered_shape(a_shard, gather_dim, group_size(group_name))
     return a_shard.new_empty(shape), [a_shard.new_empty([*shape[:-1], b.shape[-1]]) for b in bs]
 
 
@@ -176,10 +171,6 @@ def _int8_all_gather_matmul_setup(ctx, inputs, output):
     _, bs, ctx.dim, ctx.group_name = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[0] if any(b.requires_grad for b in bs) else None, *bs)
-
-
-def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])
 
 
 def _int8_all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
@@ -200,54 +191,25 @@ def _int8_all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
 _int8_all_gather_matmul.register_autograd(_int8_all_gather_matmul_backward, setup_context=_int8_all_gather_matmul_setup)
 
 
-def _pairwise_reduce_scatter(front: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``reduce_scatter(front @ b)`` on dim 0: at step ``k`` each rank sends its quantized
-    partial sum for rank ``r + k`` straight there and receives rank ``r - k``'s for itself,
-    while it multiplies the chunk for the next step; its own chunk is never quantized. Each
-    partial sum is quantized once (the all-to-all's error), and the sum is in float32."""
-    position, size = group.rank(), group.size()
-    chunks = front.chunk(size)
-    shape = [*chunks[0].shape[:-1], b.shape[-1]]
-
-    def partial(rank: int) -> Tensor:
-        return torch.matmul(chunks[rank], b)
-
-    total = partial(position).float()
-    outgoing = packed_tokens(partial((position + 1) % size)) if size > 1 else None
-    for step in range(1, size):
-        to, source = (position + step) % size, (position - step) % size
-        incoming = torch.empty_like(outgoing)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, outgoing, peer=dist.get_global_rank(group, to), group=group),
-            dist.P2POp(dist.irecv, incoming, peer=dist.get_global_rank(group, source), group=group),
-        ])
-        try:  # the next step's partial sum while this one travels
-            upcoming = packed_tokens(partial((position + step + 1) % size)) if step + 1 < size else None
-        finally:
-            for work in works:
-                work.wait()
-        total += unpacked_tokens(incoming, shape, torch.float32)
-        outgoing = upcoming
-    return total.to(front.dtype)
-
-
 @torch.library.custom_op("torch_tp::matmul_int8_reduce_scatter", mutates_args=())
 def _matmul_int8_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str) -> Tensor:
     """``matmul_reduce_scatter`` whose partial sums travel as int8 with one scale per token."""
     _check(a, scatter_dim, "matmul_int8_reduce_scatter")
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     _check_even(a, scatter_dim, group.size())
-    return _pairwise_reduce_scatter(a.movedim(scatter_dim, 0), b, group).movedim(0, scatter_dim).contiguous()
+    front = a.movedim(scatter_dim, 0)
+    shape = [front.shape[0] // group.size(), *front.shape[1:-1], b.shape[-1]]
+    out = pairwise_matmul_reduce_scatter(  # each partial sum quantized once, summed in float32 on arrival
+        front, lambda rows: [torch.mm(rows, b)], group,
+        encode=packed_tokens, decode=lambda packed: unpacked_tokens(packed, shape, torch.float32))
+    return out.to(a.dtype).movedim(0, scatter_dim).contiguous()
 
 
 @_matmul_int8_reduce_scatter.register_fake
 def _matmul_int8_reduce_scatter_fake(a, b, scatter_dim, group_name):
     _check(a, scatter_dim, "matmul_int8_reduce_scatter")
-    world = _resolve_process_group(group_name).size()
-    _check_even(a, scatter_dim, world)
-    shape = [*a.shape[:-1], b.shape[-1]]
-    shape[scatter_dim] //= world
-    return a.new_empty(shape)
+    _check_even(a, scatter_dim, group_size(group_name))
+    return a.new_empty(scattered_shape(a, b.shape[-1], scatter_dim, group_size(group_name)))
 
 
 def _matmul_int8_reduce_scatter_setup(ctx, inputs, output):

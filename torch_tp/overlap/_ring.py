@@ -22,6 +22,13 @@ its own ``chunk c @ b`` and passes it on; it arrives complete at rank ``c``)::
     step k:  partial(c) = chunk c @ b  with c = (r + k + 1) % n   (overlaps the transfer)
              acc = partial(c) + what rank r+1 sent (its sum for c, ranks r+1 .. r+k)
              send acc to r-1   (at the last step c == r: acc is this rank's output)
+
+matmul + reduce-scatter, pairwise (each partial sum travels once, straight to its owner, so it
+can travel encoded, e.g. as int8, and be decoded once)::
+
+    step k:  send encode(chunk (r + k) @ b) to r+k,  receive rank r-k's for chunk r
+             encode(chunk (r + k + 1) @ b)   (overlaps the transfer)
+             out += decode(what arrived)     (out starts as chunk r @ b, never encoded)
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_all_gather_matmul", "ring_matmul_reduce_scatter"]
+__all__ = ["pairwise_matmul_reduce_scatter", "ring_all_gather_matmul", "ring_matmul_reduce_scatter"]
 
 ChunkMatmul = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
@@ -111,3 +118,33 @@ def ring_matmul_reduce_scatter(
         partial = _matmul_rows_while(works, chunks[(position + step + 1) % size], chunk_matmul)[0]
         acc = partial + incoming
     return acc
+
+
+def pairwise_matmul_reduce_scatter(
+    full: torch.Tensor, chunk_matmul: ChunkMatmul, group: dist.ProcessGroup,
+    encode: Callable[[torch.Tensor], torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``reduce_scatter(sum over ranks of chunk_matmul(full)[0])`` on dim 0, pairwise (the module
+    docstring's third schedule): each partial sum is ``encode``-d once, sent to the rank that
+    owns its chunk, and ``decode``-d there (to the dtype of the sum), while the next is
+    multiplied. This rank's own partial sum is never encoded. ``full``'s dim 0 must divide by the
+    group size."""
+    position, size = group.rank(), group.size()
+    chunks = full.chunk(size)
+
+    def partial(rank: int) -> torch.Tensor:
+        return _matmul_rows(chunks[rank], chunk_matmul)[0]
+
+    total = partial(position)
+    outgoing = encode(partial((position + 1) % size)) if size > 1 else None
+    for step in range(1, size):
+        to, source = (dist.get_global_rank(group, (position + delta) % size) for delta in (step, -step))
+        incoming = torch.empty_like(outgoing)
+        works = _start_exchange(outgoing, to, incoming, source, group)
+        try:  # the next step's partial sum while this one travels
+            upcoming = encode(partial((position + step + 1) % size)) if step + 1 < size else None
+        finally:
+            _finish(works)
+        total = total + decode(incoming)
+        outgoing = upcoming
+    return total

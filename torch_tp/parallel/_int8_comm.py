@@ -29,10 +29,7 @@ from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, re
 from torch_tp.parallel import rules
 from torch_tp.parallel._shared_input import shared_input_of
 
-__all__ = ["COMM_DTYPES", "install_colwise", "install_rowwise_output"]
-
-#: The ``comm_dtype`` values the styles take (``None``: the activation's own dtype).
-COMM_DTYPES = (torch.int8,)
+__all__ = ["install_colwise", "install_rowwise_output"]
 
 
 # ------------------------------------------------------------------ the styles' forwards

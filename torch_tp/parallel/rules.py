@@ -430,6 +430,10 @@ def kwarg_layouts(layouts: Mapping | None, desired: Mapping | None) -> tuple[dic
     return dict(layouts or {}), dict(desired or {})
 
 
+#: The ``comm_dtype`` values the styles take besides ``None`` (the activation's own dtype).
+COMM_DTYPES = (torch.int8,)
+
+
 def comm_dtype(value: object, layout: Placement | None, argument: str, style: str) -> torch.dtype | None:
     """``comm_dtype`` of a style: ``None`` (the activation's dtype) or ``torch.int8``, and only
     on a style whose ``argument`` layout makes a sequence-parallel collective (``Shard(d)`` of
@@ -445,7 +449,7 @@ def comm_dtype(value: object, layout: Placement | None, argument: str, style: st
     """
     if value is None:
         return None
-    if value is not torch.int8:
+    if not any(value is dtype for dtype in COMM_DTYPES):
         raise TypeError(
             f"{style}(comm_dtype={value!r}): comm_dtype takes torch.int8 or None (the activation's own "
             f"dtype); the sequence-parallel collectives move int8 values with one float32 scale per token"

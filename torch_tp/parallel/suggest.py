@@ -427,14 +427,17 @@ def _choose(groups: list[_Group]) -> list[_Group]:
     return groups
 
 
+def _table_of(node: Node, weights: dict[str, str]) -> str | None:
+    """The embedding module ``node`` looks tokens up in (a lookup in a parameter), else ``None``."""
+    if (node.op == "call_function" and node.target is torch.ops.aten.embedding.default
+            and getattr(node.args[0], "name", None) in weights):
+        return _module_of(node, weights, weight_arg=0)
+    return None
+
+
 def _embeddings(graph: torch.fx.Graph, weights: dict[str, str]) -> dict[str, int]:
     """``{embedding module: rows}`` of the tables the model looks tokens up in."""
-    return {
-        _module_of(node, weights, weight_arg=0): _shape(node.args[0])[0]
-        for node in graph.nodes
-        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default
-        and getattr(node.args[0], "name", None) in weights
-    }
+    return {table: _shape(node.args[0])[0] for node in graph.nodes if (table := _table_of(node, weights))}
 
 
 _HEAD = "the model returns it"
@@ -540,8 +543,7 @@ def _stream(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
             split[node] = dim
             for param in (a for a in _tensor_args(node) if a.name in weights):  # a norm's weight
                 norms[weights[param.name].rsplit(".", 1)[0]] = None
-        table = node.target is torch.ops.aten.embedding.default and getattr(node.args[0], "name", None) in weights
-        produced = _module_of(node, weights, weight_arg=0) if table else linears.get(node)
+        produced = _table_of(node, weights) or linears.get(node)
         if produced is not None and placed(produced, RowwiseParallel):
             if len(_shape(node)) != 3 or _shape(node)[_SEQUENCE] % ranks:
                 raise Stop(f"{produced} hands on {tuple(_shape(node))}, not (batch, sequence, features) with a sequence the {ranks} ranks split evenly")

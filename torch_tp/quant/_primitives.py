@@ -1,9 +1,11 @@
-"""Plain-tensor math of symmetric per-row int8 quantization (no subclass here).
+"""Plain-tensor math of symmetric per-row int8 quantization of weights (no subclass here).
 
 ``w ~= qdata * scale`` with ``qdata = round(w / scale)`` in [-127, 127] and
 ``scale = max|row| / 127`` per row, zero-point 0. An all-zero row gets scale 1 (finite;
 its values dequantize to exactly 0), and so does a row of no elements (a ``(rows, 0)``
-weight: ``qdata`` ``(rows, 0)``, ``scale`` ``(rows, 1)``).
+weight: ``qdata`` ``(rows, 0)``, ``scale`` ``(rows, 1)``). The rule itself is
+:func:`torch_tp._tokens.quantize_tokens`, shared with the int8 activation communication;
+this module adds what a weight must be.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from torch_tp._tokens import QMAX, dequantize_tokens, quantize_tokens
+
 __all__ = ["QMAX", "quantize_per_row", "dequantize_per_row"]
 
-QMAX = 127
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -39,13 +42,6 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError("cannot quantize a weight containing NaN or inf")
 
 
-def _row_amax(w32: torch.Tensor) -> torch.Tensor:
-    """``max |w|`` of each row, ``(rows, 1)``; 0 for rows of no elements (``amax`` refuses those)."""
-    if w32.shape[-1] == 0:
-        return w32.new_zeros(w32.shape[0], 1)
-    return w32.abs().amax(dim=-1, keepdim=True)
-
-
 def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float ``w`` to ``(qdata int8 of w's shape, scale float32 of shape (rows, 1))``.
 
@@ -56,11 +52,7 @@ def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ([[127, -64], [0, 0]], [0.007874015718698502, 1.0])
     """
     _check_weight(w)
-    w32 = w.detach().float()
-    amax = _row_amax(w32)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    qdata = torch.clamp(torch.round(w32 / scale), -QMAX, QMAX).to(torch.int8)
-    return qdata, scale
+    return quantize_tokens(w.detach())
 
 
 def dequantize_per_row(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -71,4 +63,4 @@ def dequantize_per_row(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
         >>> dequantize_per_row(torch.tensor([[127, -64]], dtype=torch.int8), torch.tensor([[0.5]]), torch.float32)
         tensor([[ 63.5000, -32.0000]])
     """
-    return (qdata.to(torch.float32) * scale).to(dtype)
+    return dequantize_tokens(qdata, scale, dtype)

@@ -177,6 +177,13 @@ _PROFILER_DTYPE_BYTES = {"signed char": 1, "unsigned char": 1, "bool": 1, "c10::
                          "short int": 2, "float": 4, "int": 4, "double": 8, "long int": 8}
 
 
+def _dtype_bytes(dtype: str, event: str) -> int:
+    if dtype not in _PROFILER_DTYPE_BYTES:
+        raise ValueError(f"torch_tp.testing.wire_bytes: {event} was handed a {dtype!r} tensor, whose element size "
+                         f"this counter does not know; add it to _PROFILER_DTYPE_BYTES")
+    return _PROFILER_DTYPE_BYTES[dtype]
+
+
 def wire_bytes(step: Callable[[], Any]) -> dict[str, int]:
     """``{gloo collective: bytes this rank handed to it}`` while ``step()`` runs.
 
@@ -198,7 +205,7 @@ def wire_bytes(step: Callable[[], Any]) -> dict[str, int]:
     for event in prof.events():
         if event.name.startswith("gloo:"):
             name = event.name.removeprefix("gloo:")
-            size = sum(math.prod(shape) * _PROFILER_DTYPE_BYTES[dtype]
+            size = sum(math.prod(shape) * _dtype_bytes(dtype, event.name)
                        for shape, dtype in zip(event.input_shapes, event.input_dtypes) if dtype)
             counted[name] = counted.get(name, 0) + size
     return counted
