@@ -7,27 +7,80 @@ session ends. The tests marked ``script_runs`` (they read
 benchmarks) run last, in their order, which is the order their runs are started
 ahead (``ScriptRun.plan``), so that two scripts run side by side and never
 beside the in-process distributed tests. Nothing here spawns processes.
+
+``TORCH_TP_TEST_DEVICE=cuda`` (default ``cpu``) runs the suite on GPUs: checked
+at startup, made the default device here, and each test the device cannot run
+is skipped with its reason (``torch_tp.testing._device``).
 """
 
 import os
 import sys
+
+import pytest
 
 # Make ``import torch_tp`` work with a bare ``pytest`` run from a checkout.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+_DEVICE = pytest.StashKey[str]()
+_SKIPPED_FOR_DEVICE = pytest.StashKey[int]()
+
+
+def pytest_configure(config):
+    from torch_tp.testing._device import DeviceSelectionError, harness_device
+
+    try:
+        device = harness_device()
+    except DeviceSelectionError as error:
+        raise pytest.UsageError(f"{type(error).__name__}: {error}") from None
+    config.stash[_DEVICE] = device
+    if device != "cpu":  # in-process tests' factory calls make tensors there
+        import torch
+
+        torch.set_default_device(device)
+
 
 def pytest_collection_modifyitems(session, config, items):
     from torch_tp.testing import ScriptRun
 
+    skipped = _skip_what_the_device_cannot_run(config, items)
+
     def runs_of(item):
         marker = item.get_closest_marker("script_runs")
-        return marker.args if marker is not None else ()
+        return marker.args if marker is not None and item not in skipped else ()
 
     reading = [item for item in items if runs_of(item)]
     items[:] = [item for item in items if not runs_of(item)] + reading
     ScriptRun.plan(run for item in reading for run in runs_of(item))
+
+
+def _skip_what_the_device_cannot_run(config, items):
+    device = config.stash.get(_DEVICE, "cpu")
+    if device == "cpu":
+        return set()
+    from torch_tp.testing._device import device_count, item_skip_reason
+
+    count, skipped = device_count(device), set()
+    for item in items:
+        reason = item_skip_reason(item, device, count)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+            skipped.add(item)
+    config.stash[_SKIPPED_FOR_DEVICE] = len(skipped)
+    return skipped
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    device = config.stash.get(_DEVICE, "cpu")
+    if device != "cpu":
+        from torch_tp.testing._device import device_count
+
+        skipped = config.stash.get(_SKIPPED_FOR_DEVICE, 0)
+        terminalreporter.write_line(
+            f"torch_tp: the tests ran on {device} (TORCH_TP_TEST_DEVICE={device}, "
+            f"{device_count(device)} {device} devices visible); {skipped} skipped at collection for the device (-rs: why)"
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):

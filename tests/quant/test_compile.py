@@ -121,6 +121,7 @@ def test_compiled_quantized_mlp_matches_eager(dtype):
     _assert_compiled_matches_eager(model, inputs, BACKENDS, dtype)
 
 
+@pytest.mark.cpu_only(reason="_weight_int8pack_mm is the CPU path of int8 x float32 (quant/_ops_matmul.py)")
 def test_compiled_float32_mlp_keeps_the_weights_int8_in_the_graph():
     torch.manual_seed(0)
     model, graphs, x = _quantized_mlp(), [], torch.randn(4, 16)

@@ -109,6 +109,7 @@ def test_redistribute_shard_to_replicate_moves_int8_bytes_not_floats():
     assert ratio <= 0.27, ratio  # int8 (0.25x) + one float32 scale per 256-wide row
 
 
+@pytest.mark.cpu_only(reason="wire_bytes reads gloo's profiler events; NCCL's collectives have none")
 @pytest.mark.parametrize("style", ["rowwise", "colwise", "rowwise uneven", "rowwise empty pieces"])
 @on_ranks(2, 4)
 def test_an_int8_gather_moves_qdata_and_only_the_scales_that_are_sharded(style):

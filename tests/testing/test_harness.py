@@ -1,4 +1,4 @@
-"""Tests of the distributed test harness (torch_tp.testing._dist and ._on_ranks).
+"""Tests of the distributed test harness (torch_tp.testing._dist, ._on_ranks and ._device).
 
 Rank functions live at module level here: workers import this module by the
 name pytest gave it, using the sys.path the parent sends with each task.
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from torch_tp.testing import _dist
 from torch_tp.testing import (
     RankFailure,
     assert_comm_counts,
@@ -27,6 +28,16 @@ from torch_tp.testing import (
     world_size,
     world_sizes,
 )
+from torch_tp.testing._device import (
+    DEVICE_ENV,
+    DeviceSelectionError,
+    backend_for,
+    device_skip_reason,
+    harness_device,
+    item_skip_reason,
+    to_current_device,
+    validate_device,
+)
 
 
 # ---------------------------------------------------------------- rank functions
@@ -37,6 +48,10 @@ def _all_reduce_rank_values():
     dist.all_reduce(t)
     mesh = tp_mesh()
     return rank(), world_size(), t.item(), mesh.size(), mesh.mesh_dim_names, tp_mesh() is mesh
+
+
+def _device_of_the_pool():
+    return dist.get_backend(), tp_mesh().device_type, torch.get_default_device().type, torch.ones(1).device.type
 
 
 def _row_sums_on_2x2_mesh():
@@ -66,12 +81,14 @@ def _rank1_raises_while_rank0_waits():
     if rank() == 1:
         print("rank 1 about to fail")
         _explode()
-    dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    dist.all_reduce(torch.ones(1, device="cpu"))  # rank 1 never joins
 
 
 def _rank0_skips_the_collective():
+    # CPU tensors in the failure cases: over gloo (on cuda too, "cpu:gloo,cuda:nccl") a
+    # collective blocks the host, where NCCL's returns once queued
     if rank() != 0:
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1, device="cpu"))
     return rank()
 
 
@@ -113,6 +130,11 @@ def test_all_reduce_and_tp_mesh_on_every_rank(world_size, request):
     assert results == [(r, world_size, expected_sum, world_size, ("tp",), True) for r in range(world_size)]
 
 
+def test_the_pool_computes_on_the_harness_device():
+    device = harness_device()
+    assert run_on_ranks(_device_of_the_pool, 1) == [(backend_for(device), device, device, device)]
+
+
 def test_mesh_2x2_sums_within_tp_rows():
     results = run_on_ranks(_row_sums_on_2x2_mesh, 4)
     row_sums = [1.0, 1.0, 5.0, 5.0]  # rows are ranks {0, 1} and {2, 3}
@@ -129,7 +151,7 @@ def test_pool_is_reused_and_rng_is_reseeded_per_task():
     second = run_on_ranks(_pid_and_fresh_rng, 2)
     assert [pid for pid, _ in first] == [pid for pid, _ in second]
     assert len({pid for pid, _ in first}) == 2
-    expected = torch.rand(3, generator=torch.Generator().manual_seed(0))
+    expected = torch.rand(3, generator=torch.Generator(torch.get_default_device()).manual_seed(0))
     for _, values in first + second:
         torch.testing.assert_close(values, expected)
 
@@ -219,7 +241,7 @@ def test_raising_rank_reports_its_traceback_and_the_pool_is_respawned():
     # rank 1 left the pool with its error: rank 0's all_reduce failed at once, reported after
     # the cause, with the line it waited on (not after the parent's grace period, with a stack)
     assert "rank 0: raised [then]" in message, message
-    assert "dist.all_reduce(torch.ones(1))  # rank 1 never joins" in message.split("rank 0: raised [then]")[1]
+    assert 'dist.all_reduce(torch.ones(1, device="cpu"))  # rank 1 never joins' in message.split("rank 0: raised [then]")[1]
     assert info.value.failed_ranks == [0, 1] and info.value.root_cause_rank == 1, message
     assert elapsed < 20, elapsed
 
@@ -354,3 +376,144 @@ def test_on_ranks_refuses_nested_functions_and_bad_world_sizes():
         on_ranks()
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         on_ranks(2, 0)
+
+
+# ---------------------------------------------------------------- the device (TORCH_TP_TEST_DEVICE)
+
+
+def test_the_device_defaults_to_cpu_and_cuda_needs_cuda():
+    for value in (None, "", "cpu", " cpu "):
+        assert validate_device(value, cuda_available=False) == "cpu"
+        assert validate_device(value, cuda_available=True) == "cpu"
+    assert validate_device("cuda", cuda_available=True, cuda_version="12.8") == "cuda"
+    assert validate_device("cuda", cuda_available=True, start_method="spawn") == "cuda"
+
+
+def test_cuda_requested_without_cuda_is_a_startup_error_that_says_what_to_change():
+    with pytest.raises(DeviceSelectionError) as cpu_build:
+        validate_device("cuda", cuda_available=False, cuda_version=None)
+    message = str(cpu_build.value)
+    assert message.startswith("TORCH_TP_TEST_DEVICE=cuda, but torch.cuda.is_available() is False: "
+                              "this torch is a CPU build"), message
+    assert "unset TORCH_TP_TEST_DEVICE (or set it to cpu)" in message, message
+    with pytest.raises(DeviceSelectionError, match="no CUDA device is visible to this CUDA 12.8 build"):
+        validate_device("cuda", cuda_available=False, cuda_version="12.8")
+    with pytest.raises(DeviceSelectionError, match=r"TORCH_TP_START_METHOD=fork: .* set it to spawn"):
+        validate_device("cuda", cuda_available=True, start_method="fork")
+
+
+def test_an_unknown_device_is_a_startup_error_naming_the_choices():
+    with pytest.raises(DeviceSelectionError, match=r"TORCH_TP_TEST_DEVICE='xpu' is not a device .* 'cpu', 'cuda'"):
+        validate_device("xpu", cuda_available=True)
+    with pytest.raises(DeviceSelectionError, match="'cuda:1' is not a device"):  # a type, not one GPU
+        validate_device("cuda:1", cuda_available=True)
+
+
+def test_harness_device_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert harness_device() == "cpu"
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert harness_device() == "cpu"
+    monkeypatch.setenv(DEVICE_ENV, "tpu")
+    with pytest.raises(DeviceSelectionError, match="'tpu' is not a device"):
+        harness_device()
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    if torch.cuda.is_available():
+        assert harness_device() == "cuda"
+    else:
+        with pytest.raises(DeviceSelectionError, match="torch.cuda.is_available"):
+            harness_device()
+
+
+def _conftest(request):
+    return next(p for p in request.config.pluginmanager.get_plugins()
+                if getattr(p, "__file__", "").endswith(os.path.join("tests", "conftest.py")))
+
+
+def test_conftest_stops_pytest_at_startup_on_a_bad_device(request, monkeypatch):
+    class Config:
+        stash = {}
+
+    monkeypatch.setenv(DEVICE_ENV, "tpu")
+    with pytest.raises(pytest.UsageError, match="^DeviceSelectionError: TORCH_TP_TEST_DEVICE='tpu'"):
+        _conftest(request).pytest_configure(Config())
+    assert Config.stash == {}
+
+
+def test_nothing_is_skipped_on_cpu():
+    assert device_skip_reason("cpu", 0, world_size=64, script_run=True, cpu_only="a CPU kernel") is None
+
+
+def test_cuda_skips_world_sizes_beyond_its_gpus():
+    assert device_skip_reason("cuda", 1, world_size=2) == "world size 2 needs 2 GPUs; TORCH_TP_TEST_DEVICE=cuda sees 1"
+    assert device_skip_reason("cuda", 0, world_size=1) == "world size 1 needs 1 GPU; TORCH_TP_TEST_DEVICE=cuda sees 0"
+    assert device_skip_reason("cuda", 1, world_size=1) is None
+    assert device_skip_reason("cuda", 8, world_size=4) is None
+    assert device_skip_reason("cuda", 1) is None  # an in-process test
+
+
+def test_cuda_skips_script_runs_and_cpu_only_tests_with_their_reasons():
+    script = device_skip_reason("cuda", 8, script_run=True)
+    assert script is not None and "the CPU job runs those" in script, script
+    only = device_skip_reason("cuda", 8, world_size=2, script_run=True, cpu_only="gloo's events")
+    assert only == "CPU only: gloo's events (TORCH_TP_TEST_DEVICE=cuda)"
+
+
+class _Item:
+    """What item_skip_reason reads of a collected pytest item: markers and callspec params."""
+
+    def __init__(self, *marks, **params):
+        self.marks = {m.mark.name: m.mark for m in marks}
+        if params:
+            self.callspec = type("CallSpec", (), {"params": params})()
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+def test_item_skip_reason_reads_markers_and_the_world_size_parameter():
+    assert item_skip_reason(_Item(world_size=4), "cuda", 2) == "world size 4 needs 4 GPUs; TORCH_TP_TEST_DEVICE=cuda sees 2"
+    assert item_skip_reason(_Item(world_size=2, dtype="float32"), "cuda", 2) is None
+    assert item_skip_reason(_Item(), "cuda", 0) is None
+    assert item_skip_reason(_Item(pytest.mark.slow), "cuda", 8).startswith("a script run")
+    assert item_skip_reason(_Item(pytest.mark.script_runs("run")), "cuda", 8).startswith("a script run")
+    assert item_skip_reason(_Item(pytest.mark.cpu_only(reason="a CPU kernel")), "cuda", 8).startswith("CPU only: a CPU kernel (")
+    assert item_skip_reason(_Item(pytest.mark.cpu_only("positional")), "cuda", 8).startswith("CPU only: positional (")
+    assert item_skip_reason(_Item(pytest.mark.cpu_only), "cuda", 8).startswith("CPU only: marked cpu_only (")
+    assert item_skip_reason(_Item(pytest.mark.slow, world_size=64), "cpu", 0) is None
+
+
+def test_run_on_ranks_skips_a_test_asking_for_more_gpus_than_there_are(monkeypatch):
+    monkeypatch.setattr(_dist, "device_count", lambda device: 1)
+    _dist._require_devices_for(4, "cpu")  # nothing to check on CPU
+    _dist._require_devices_for(1, "cuda")
+    with pytest.raises(pytest.skip.Exception, match="world size 2 needs 2 GPUs; TORCH_TP_TEST_DEVICE=cuda sees 1"):
+        _dist._require_devices_for(2, "cuda")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    with pytest.raises(RuntimeError, match="run_on_ranks: world size 2 needs 2 GPUs"):
+        _dist._require_devices_for(2, "cuda")
+
+
+def test_cuda_pools_use_nccl_and_keep_gloo_for_the_cpu():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
+
+
+def test_values_crossing_a_pipe_on_cpu_are_left_as_they_are():
+    x = torch.ones(2, device="cpu")
+    moved = to_current_device({"a": [x, 3], "b": (x, "text")})
+    assert moved["a"][0] is x and moved["b"][0] is x and moved["a"][1] == 3 and moved["b"][1] == "text"
+
+
+def test_the_terminal_summary_names_the_device_unless_it_is_cpu(request, monkeypatch):
+    from torch_tp.testing import _device
+
+    conftest, lines = _conftest(request), []
+    reporter = type("Reporter", (), {"write_line": lambda self, line: lines.append(line)})()
+    conftest.pytest_terminal_summary(reporter, 0, type("Config", (), {"stash": {conftest._DEVICE: "cpu"}})())
+    assert lines == []
+    monkeypatch.setattr(_device, "device_count", lambda device: 2)
+    stash = {conftest._DEVICE: "cuda", conftest._SKIPPED_FOR_DEVICE: 5}
+    conftest.pytest_terminal_summary(reporter, 0, type("Config", (), {"stash": stash})())
+    assert lines == ["torch_tp: the tests ran on cuda (TORCH_TP_TEST_DEVICE=cuda, 2 cuda devices visible); "
+                     "5 skipped at collection for the device (-rs: why)"]

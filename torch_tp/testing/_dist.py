@@ -1,6 +1,7 @@
 """Distributed test harness: persistent pools of gloo worker processes.
 
-Every distributed test runs real CPU process groups through :func:`run_on_ranks`.
+Every distributed test runs real process groups through :func:`run_on_ranks`: gloo on
+CPU, or one GPU per rank under ``TORCH_TP_TEST_DEVICE=cuda`` (:mod:`torch_tp.testing._device`).
 Worker processes are started once per world size and reused by every later
 call, so a test costs one task round-trip instead of a multi-second spawn.
 A failing, hanging or dying rank turns into a :class:`RankFailure` carrying
@@ -50,6 +51,7 @@ from multiprocessing.connection import wait as _wait_for_ready
 from typing import Any, Callable, Iterator, Mapping
 
 from torch_tp._orphans import descendants, end_processes, process_state
+from torch_tp.testing._device import device_count, device_skip_reason, harness_device, to_current_device
 from torch_tp.testing._rank import _log_path, _stack_path, _worker_main
 from torch_tp.testing._report import (
     _Reply,
@@ -154,6 +156,11 @@ def run_on_ranks(
     rank raises, hangs past ``timeout`` or dies, :class:`RankFailure` is
     raised and the pool is killed (the next call starts a fresh one).
 
+    Under ``TORCH_TP_TEST_DEVICE=cuda`` rank ``r`` computes on ``cuda:r``; a
+    ``world_size`` above the GPUs visible skips the calling test (outside a
+    test: ``RuntimeError``). CUDA tensors in the arguments and results arrive
+    on the receiver's current device.
+
     Example:
         >>> # xdoctest: +SKIP("starts worker processes; fn must be module-level")
         >>> run_on_ranks(torch.add, 2, torch.ones(1), other=torch.ones(1))
@@ -162,7 +169,9 @@ def run_on_ranks(
     __tracebackhide__ = True
     _check_world_size(world_size)
     task = _pickle_task(fn, args, kwargs)
-    pool = _pool_for(world_size)
+    device = harness_device()
+    _require_devices_for(world_size, device)
+    pool = _pool_for(world_size, device)
     return pool.run(task, timeout=timeout, what=_describe_fn(fn))
 
 
@@ -199,6 +208,21 @@ def _check_world_size(size: Any) -> None:
         raise ValueError(f"world_size must be an int >= 1, got {size!r}")
 
 
+def _require_devices_for(size: int, device: str) -> None:
+    """Skip the calling test (raise outside one) when ``device`` cannot hold ``size`` ranks."""
+    __tracebackhide__ = True
+    if device == "cpu":
+        return
+    reason = device_skip_reason(device, device_count(device), world_size=size)
+    if reason is None:
+        return
+    if "PYTEST_CURRENT_TEST" in os.environ:  # a test that calls run_on_ranks(fn, N) itself
+        import pytest
+
+        pytest.skip(reason)
+    raise RuntimeError(f"run_on_ranks: {reason}")
+
+
 def _describe_fn(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", "?")
     name = getattr(fn, "__qualname__", repr(fn))
@@ -231,14 +255,14 @@ _POOLS: dict[int, "_WorkerPool"] = {}
 _SESSION_DIR: str | None = None
 
 
-def _pool_for(size: int) -> "_WorkerPool":
+def _pool_for(size: int, device: str = "cpu") -> "_WorkerPool":
     __tracebackhide__ = True
     pool = _POOLS.get(size)
-    if pool is not None and not pool.all_alive():
+    if pool is not None and not (pool.all_alive() and pool.device == device):
         _POOLS.pop(size).kill()
         pool = None
     if pool is None:
-        pool = _WorkerPool(size, _session_dir())
+        pool = _WorkerPool(size, _session_dir(), device)
         pool.start()
         _POOLS[size] = pool
     return pool
@@ -297,10 +321,10 @@ def _stdio_fds_redirected(path: str) -> Iterator[None]:
 
 
 class _WorkerPool:
-    """``size`` worker processes sharing one gloo process group."""
+    """``size`` worker processes sharing one process group on ``device`` (gloo on CPU)."""
 
-    def __init__(self, size: int, parent_dir: str) -> None:
-        self.size = size
+    def __init__(self, size: int, parent_dir: str, device: str = "cpu") -> None:
+        self.size, self.device = size, device
         self.workdir = tempfile.mkdtemp(prefix=f"ws{size}_", dir=parent_dir)
         self.bootstrap_log = os.path.join(parent_dir, "bootstrap.log")
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -319,7 +343,7 @@ class _WorkerPool:
                     parent_end, child_end = ctx.Pipe(duplex=True)
                     proc = ctx.Process(
                         target=_worker_main,
-                        args=(r, self.size, self.workdir, child_end, os.getpid()),
+                        args=(r, self.size, self.workdir, child_end, os.getpid(), self.device),
                         name=f"torch_tp-ws{self.size}-rank{r}",
                         daemon=True,
                     )
@@ -475,6 +499,8 @@ class _WorkerPool:
                 continue
             try:
                 results[r] = pickle.loads(reply.payload)
+                if self.device != "cpu":  # rank r's CUDA tensors unpickle on cuda:r
+                    results[r] = to_current_device(results[r])
             except Exception:
                 replies[r] = _Reply("error", _parent_side_record(
                     "the parent could not unpickle this rank's return value:\n" + traceback.format_exc()

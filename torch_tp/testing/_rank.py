@@ -3,9 +3,11 @@
 :mod:`torch_tp.testing._dist` starts one process per rank with
 :func:`_worker_main` as its target (pickled by reference, so every worker
 imports this module by name). A worker sends its output to a per-rank log,
-joins the gloo process group, then runs the tasks the parent sends until told
-to stop. :func:`rank`, :func:`world_size`, :func:`tp_mesh` and
-:func:`mesh_2x2` are for the functions those tasks run.
+joins the process group (gloo on CPU; on ``TORCH_TP_TEST_DEVICE=cuda`` rank ``r``
+computes on ``cuda:r``, its default device, over NCCL: :mod:`torch_tp.testing._device`),
+then runs the tasks the parent sends until told to stop. :func:`rank`,
+:func:`world_size`, :func:`tp_mesh` and :func:`mesh_2x2` are for the functions
+those tasks run.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch.distributed as dist
 
 from torch_tp._orphans import exit_with, mark_job
 from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback, native_errors_to_stderr
+from torch_tp.testing._device import backend_for, to_current_device
 
 
 __all__ = ["COLLECTIVE_TIMEOUT", "mesh_2x2", "rank", "tp_mesh", "world_size"]
 
-#: Seconds any single collective may block before gloo fails it on its own.
+#: Seconds any single collective may block before gloo (or NCCL) fails it on its own.
 #: Applies to the default group and to every group created later on a worker
 #: (e.g. the sub-groups of a ``DeviceMesh``).
 COLLECTIVE_TIMEOUT = 60.0
@@ -50,8 +53,8 @@ def _stack_path(workdir: str, r: int) -> str:
 # --------------------------------------------------------------------------
 
 
-def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int) -> None:
-    """Entry point of one worker process: set up, join the group, serve tasks."""
+def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int, device: str = "cpu") -> None:
+    """Entry point of one worker process: set up, join the group on ``device``, serve tasks."""
     exit_with(owner_pid)  # a rank blocked in a collective would outlive a killed pytest
     mark_job(workdir)  # what the tasks start ends with the pool (_WorkerPool.kill)
     _redirect_stdio_to(_log_path(workdir, r))
@@ -63,7 +66,7 @@ def _worker_main(r: int, size: int, workdir: str, conn: Any, owner_pid: int) -> 
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    _init_process_group(r, size, workdir)
+    _init_process_group(r, size, workdir, device)
     conn.send(("ready", os.getpid()))
     _serve_tasks(conn)
     dist.destroy_process_group()
@@ -79,7 +82,12 @@ def _redirect_stdio_to(path: str) -> None:
         setattr(sys, name, stream)
 
 
-def _init_process_group(r: int, size: int, workdir: str) -> None:
+def _init_process_group(r: int, size: int, workdir: str, device: str = "cpu") -> None:
+    global _DEVICE
+    _DEVICE = device
+    if device == "cuda":  # one GPU per rank, which the tasks' factory calls use
+        torch.cuda.set_device(r)
+        torch.set_default_device(device)
     if sys.platform.startswith("linux"):
         # Single host: avoid gloo resolving the hostname to an unreachable address.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -90,7 +98,7 @@ def _init_process_group(r: int, size: int, workdir: str) -> None:
     if hasattr(distributed_c10d, "default_pg_timeout"):
         distributed_c10d.default_pg_timeout = timeout
     dist.init_process_group(
-        "gloo",
+        backend_for(device),
         init_method=f"file://{os.path.join(workdir, 'store')}",
         rank=r,
         world_size=size,
@@ -121,6 +129,8 @@ def _run_task(sys_path: list[str], task: bytes) -> tuple[str, Any]:
     torch.manual_seed(0)
     try:
         fn, args, kwargs = pickle.loads(task)
+        if _DEVICE != "cpu":  # the parent's CUDA tensors unpickle on its device, not this rank's
+            args, kwargs = to_current_device((args, kwargs))
         result = fn(*args, **kwargs)
     except BaseException as exc:
         return ("error", _failure_record(exc))
@@ -185,6 +195,7 @@ def _innermost_locals(tb: Any, limit: int = 200) -> str:
 # --------------------------------------------------------------------------
 
 _MESHES: dict[str, Any] = {}
+_DEVICE = "cpu"  # the pool's device type (set when the worker joins its group)
 
 
 def _require_worker(helper: str) -> None:
@@ -220,7 +231,8 @@ def world_size() -> int:
 
 
 def tp_mesh() -> Any:
-    """1-D ``DeviceMesh`` named ``("tp",)`` over all ranks, cached per worker.
+    """1-D ``DeviceMesh`` named ``("tp",)`` over all ranks, cached per worker (of the pool's
+    device type: ``cpu``, or ``cuda`` under ``TORCH_TP_TEST_DEVICE=cuda``).
 
     Example:
         >>> # xdoctest: +SKIP("only inside a function run by run_on_ranks")
@@ -232,14 +244,13 @@ def tp_mesh() -> Any:
     if "tp" not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES["tp"] = init_device_mesh(
-            "cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)
-        )
+        _MESHES["tp"] = init_device_mesh(_DEVICE, (dist.get_world_size(),), mesh_dim_names=("tp",))
     return _MESHES["tp"]
 
 
 def mesh_2x2() -> Any:
-    """2-D ``DeviceMesh`` of shape (2, 2) named ``("dp", "tp")``, cached per worker.
+    """2-D ``DeviceMesh`` of shape (2, 2) named ``("dp", "tp")``, cached per worker (of the
+    pool's device type, as :func:`tp_mesh`).
 
     Only valid with 4 ranks; rows ``{0, 1}`` and ``{2, 3}`` are the "tp" groups.
 
@@ -257,6 +268,6 @@ def mesh_2x2() -> Any:
     if "2x2" not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES["2x2"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _MESHES["2x2"] = init_device_mesh(_DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
     return _MESHES["2x2"]
 
