@@ -1,5 +1,8 @@
 """torch_tp.quant: int8 symmetric weight quantization that composes with DTensor and the TP styles.
 
+Weight-only by default; ``Int8SymmetricWeightConfig(activations="int8")`` is W8A8 (each linear
+layer's input quantized per token, an exact int8 x int8 product; see ``_ops_matmul.py``).
+
 Importing this module imports torchao (quietly: its CPU-only "Failed to load ... .so"
 warnings are suppressed). ``import torch_tp`` alone does not import it.
 

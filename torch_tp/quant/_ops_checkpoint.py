@@ -5,7 +5,7 @@ A quantized model saves and loads with the standard calls; the checkpoint holds 
 
 | call | what happens to a quantized weight |
 | --- | --- |
-| ``torch.save(model.state_dict(), f)`` | pickled as the subclass: its two storages plus the logical dtype |
+| ``torch.save(model.state_dict(), f)`` | pickled as the subclass: its two storages plus the logical dtype and the activation mode |
 | ``torch.load(f, weights_only=True)`` | rebuilt bit for bit (``Int8SymmetricTensor`` is a safe global once ``torch_tp.quant`` is imported) |
 | ``model.load_state_dict(sd)`` | ``copy_`` of ``qdata`` and ``scale`` into the model's quantized weight |
 | ``dcp.save(model.state_dict(), checkpoint_id=dir)`` | DTensor hands DCP its local shard (an ``Int8SymmetricTensor``); DCP records the shard's logical offsets/sizes and writes it with ``torch.save`` |
@@ -31,6 +31,14 @@ torch_tp call on both sides and a scale DTensor whose placement must be derived 
 weight's (``Shard(1)`` weights keep whole scales, replicated on every rank), while DTensor
 and DCP already reshard the subclass correctly through the ops it implements. Keeping the
 subclass in the checkpoint also keeps the logical dtype and the scale layout with the data.
+
+The activation mode (``activations``: ``"float"`` weight-only, ``"int8"`` W8A8) is saved
+with each weight (DCP's shard files too: each is the pickled subclass) and is part of what
+``copy_`` checks: loading into a weight of another mode raises ``ValueError`` naming both
+modes, since the loaded model would otherwise compute differently from the saved one. The
+int8 values do not depend on the mode, so to switch, load into a model quantized with the
+checkpoint's mode, then ``quantize_`` it again with the other mode (it keeps the int8 values
+and takes the new mode). A checkpoint saved before the mode existed loads as ``"float"``.
 
 Limits: reading a checkpoint needs ``torch_tp.quant`` importable (the class is pickled by
 name); a quantized checkpoint does not load into a float model, nor a float checkpoint into
@@ -72,7 +80,8 @@ def _int8_is_pinned(func, types, args, kwargs):
 
 def _describe(t: torch.Tensor) -> str:
     if isinstance(t, Int8SymmetricTensor):
-        return f"{type(t).__name__} of shape {tuple(t.shape)} (scale {tuple(t.scale.shape)})"
+        return (f"{type(t).__name__} of shape {tuple(t.shape)} (scale {tuple(t.scale.shape)}, "
+                f"activations={t.activations!r})")
     return f"a plain {t.dtype} tensor of shape {tuple(t.shape)}"
 
 
@@ -102,6 +111,14 @@ def _int8_copy_(func, types, args, kwargs):
             f"Quantize the model first (Int8SymmetricWeightConfig), or copy src.dequantize()"
         )
     _require_valid_layouts(self, src)
+    if self.activations != src.activations:
+        raise ValueError(
+            f"copy_ into {_describe(self)} from {_describe(src)}: the activation modes differ "
+            f"(the source, e.g. a checkpoint, was quantized with activations={src.activations!r}). "
+            f"Quantize the model with torch_tp.quant.Int8SymmetricWeightConfig(activations="
+            f"{src.activations!r}) before loading; to switch modes afterwards, quantize_ it again "
+            f"with the other mode (the int8 values are the same)"
+        )
     if self.shape != src.shape or self.scale.shape != src.scale.shape:
         raise ValueError(
             f"copy_ into {_describe(self)} from {_describe(src)}: shapes or scale layouts differ"

@@ -5,7 +5,7 @@
 | ``torch.chunk`` / ``new_zeros`` / ``narrow`` + ``copy_`` (sharding the weight) | the shape ops of ``_ops_shape.py`` |
 | ``view(-1)`` (its flat record of the padded shard) | an :class:`Int8FlatView`: the same bytes, flat, per-row scales kept |
 | ``fsdp_pre_all_gather`` (each all-gather) | :func:`pre_all_gather`: the shard's ``qdata`` (and ``scale`` when sharded on rows), no float copy |
-| ``fsdp_post_all_gather`` (after it) | :func:`post_all_gather`: the whole ``Int8SymmetricTensor`` around the gathered bytes, no copy |
+| ``fsdp_post_all_gather`` (after it) | :func:`post_all_gather`: the whole ``Int8SymmetricTensor`` around the gathered bytes, no copy, in the shard's activation mode |
 
 FSDP2 shards a parameter on one dim (``Shard(0)`` unless a ``shard_placement_fn`` picks
 another) and gathers it before the module's forward. A frozen int8 weight gathered as floats
@@ -52,15 +52,18 @@ class Int8FlatView(TorchAOBaseTensor):
 
     tensor_data_names = ["qdata", "scale"]
     tensor_attribute_names = ["dtype"]
+    #: the activation mode of the tensor it views (kept when it views back)
+    optional_tensor_attribute_names = ["activations"]
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, activations: str | None = "float"):
         return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device,
                                                    requires_grad=False)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, activations: str | None = "float"):
         super().__init__()
         self.qdata = qdata
         self.scale = scale
+        self.activations = "float" if activations is None else activations
 
     @property
     def rows(self) -> int:
@@ -77,18 +80,19 @@ class Int8FlatView(TorchAOBaseTensor):
 
 def flatten(q: Int8SymmetricTensor) -> Int8FlatView:
     """``q.view(-1)`` for a tensor whose scales vary along dim 0 only."""
-    return Int8FlatView(q.qdata.view(-1), q.scale, q.dtype)
+    return Int8FlatView(q.qdata.view(-1), q.scale, q.dtype, q.activations)
 
 
 @Int8FlatView.implements([aten.view.default, aten._unsafe_view.default])
 def _flat_view(func, types, args, kwargs):
     self, shape = args[0], list(args[1])
     if shape in ([-1], [self.numel()]):
-        out = Int8FlatView(self.qdata, self.scale, self.dtype)
+        out = Int8FlatView(self.qdata, self.scale, self.dtype, self.activations)
         return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
     if shape and shape[0] == self.rows and self.rows and _numel(shape) == self.numel():
         scale = self.scale.reshape([self.rows] + [1] * (len(shape) - 1))
-        return Int8SymmetricTensor(func(self.qdata, shape), scale, self.dtype)  # another class: no aliasing fix
+        # another class: no aliasing fix
+        return Int8SymmetricTensor(func(self.qdata, shape), scale, self.dtype, activations=self.activations)
     raise ValueError(
         f"{type(self).__name__}.view{tuple(shape)}: a flat view of {self.rows} rows views back only to a "
         f"shape whose first dim is the rows"
@@ -160,7 +164,7 @@ def post_all_gather(local: Int8SymmetricTensor, outputs: tuple, metadata: tuple,
             if mine.data_ptr() != new.data_ptr():
                 mine.copy_(new)
         return None
-    return Int8SymmetricTensor(qdata, scale, param_dtype), list(outputs)
+    return Int8SymmetricTensor(qdata, scale, param_dtype, activations=local.activations), list(outputs)
 
 
 def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple:

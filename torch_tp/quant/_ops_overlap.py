@@ -8,6 +8,9 @@ while the ring multiplies chunk by chunk:
 ``torch_tp::all_gather_int8_matmul(Tensor a_shard, Tensor[] qdatas, Tensor[] scales, SymInt gather_dim, str group_name) -> (Tensor, Tensor[])``
 ``torch_tp::int8_matmul_reduce_scatter(Tensor a, Tensor qdata, Tensor scale, SymInt scatter_dim, str group_name, str reduce_op) -> Tensor``
 
+The fused ops are weight-only: W8A8 weights (``activations="int8"``) are refused by name
+(``NotImplementedError``), since the ring would multiply float chunks by them.
+
 Autograd stays with the float ops above ``__torch_dispatch__``: their backward calls the
 fused ops again with ``b.t()`` (still int8; scales then lie along the summed dim, which
 :func:`_quantized_matmul` folds into the activations). Quantized weights get no gradient.
@@ -96,6 +99,13 @@ def _require_int8_weights(a: Tensor, bs: list[Tensor], op: str) -> None:
         kinds = [type(b).__name__ for b in bs]
         raise NotImplementedError(
             f"{op} got a mix of int8 and float matrices {kinds}: quantize all of them or none"
+        )
+    modes = sorted({b.activations for b in bs})
+    if modes != ["float"]:
+        raise NotImplementedError(
+            f"torch_tp.quant: {op} (overlap=True) with W8A8 weights (activations={modes}): the fused "
+            f"ring multiplies float activation chunks by int8 weights, weight-only. Use overlap=False "
+            f"for W8A8 layers, or quantize them with Int8SymmetricWeightConfig(activations='float')"
         )
 
 

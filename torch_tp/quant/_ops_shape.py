@@ -1,5 +1,8 @@
 """Shape ops of ``Int8SymmetricTensor``: each applies to ``qdata`` and, by the scale rule, to ``scale``.
 
+Every result keeps the tensor's logical dtype (unless ``.to(dtype)`` changes it) and its
+activation mode (``activations``); ``cat`` refuses pieces whose modes differ.
+
 | op | the DTensor / nn.Module path that reaches it |
 | --- | --- |
 | ``slice.Tensor`` (``narrow``) | uneven shards (unpadding), ``Shard`` local views |
@@ -63,9 +66,11 @@ def _scales_agree(scales: list[torch.Tensor]) -> bool:
 def _int8_cat(func, types, args, kwargs):
     tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
     first = tensors[0]
-    if not all(isinstance(t, Int8SymmetricTensor) and t.dtype == first.dtype for t in tensors):
+    if not all(isinstance(t, Int8SymmetricTensor) and (t.dtype, t.activations) == (first.dtype, first.activations)
+               for t in tensors):
         raise NotImplementedError(
-            f"cat of {Int8SymmetricTensor.__name__} with other tensors or dtypes; quantize them alike first"
+            f"cat of {Int8SymmetricTensor.__name__} with other tensors, dtypes or activation modes "
+            f"({sorted({getattr(t, 'activations', 'a plain tensor') for t in tensors})}); quantize them alike first"
         )
     dim = dim % first.ndim
     qdata = aten.cat.default([t.qdata for t in tensors], dim)
@@ -202,7 +207,7 @@ def _int8_new_zeros(func, types, args, kwargs):
         scale, flags = self.scale.to(device, copy=True), self.layout_flags()
     else:
         scale, flags = torch.ones(scale_shape, dtype=self.scale.dtype, device=device), {"whole_rows": False}
-    return type(self)(qdata, scale, _logical_dtype(self, kwargs, "new_zeros"), **flags)
+    return type(self)(qdata, scale, _logical_dtype(self, kwargs, "new_zeros"), **flags, activations=self.activations)
 
 
 def _logical_dtype(self: Int8SymmetricTensor, kwargs, op: str) -> torch.dtype:
@@ -220,5 +225,5 @@ def _int8_to_copy(func, types, args, kwargs):
     self = args[0]
     device = kwargs.get("device") or self.device
     out = type(self)(self.qdata.to(device), self.scale.to(device), _logical_dtype(self, kwargs, "to"),
-                     self.whole_rows, self.shared_scale)
+                     self.whole_rows, self.shared_scale, self.activations)
     return return_and_correct_aliasing(func, args, kwargs, out)

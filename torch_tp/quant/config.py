@@ -5,6 +5,7 @@ Registered with torchao's module-handler registry, so the usual torchao call wor
     torchao.quantize_(model, Int8SymmetricWeightConfig())               # every nn.Linear
     torchao.quantize_(model, Int8SymmetricWeightConfig(),
                       filter_fn=lambda m, fqn: isinstance(m, (nn.Linear, nn.Embedding)))
+    torchao.quantize_(model, Int8SymmetricWeightConfig(activations="int8"))  # W8A8 linears
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from torch_tp.quant._torchao import import_torchao
-from torch_tp.quant.int8_tensor import Int8SymmetricTensor
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, check_activations
 
 __all__ = ["Int8SymmetricWeightConfig", "quantize_module_weight"]
 
@@ -24,8 +25,16 @@ _register_handler = import_torchao("torchao.quantization.transform_module").regi
 
 @dataclass
 class Int8SymmetricWeightConfig(_AOBaseConfig):
-    """Weight-only int8, symmetric, one scale per output row (``nn.Linear``) or per token row
-    (``nn.Embedding``). Activations and biases stay in float.
+    """Int8 weights, symmetric, one scale per output row (``nn.Linear``) or per token row
+    (``nn.Embedding``). Biases stay in float.
+
+    Keyword Args:
+        activations: ``"float"`` (the default: weight-only, a linear layer's float input is
+            multiplied by the int8 weight, exactly ``x @ (q * s).T`` up to float summation
+            order) or ``"int8"`` (W8A8: the input is quantized per token, dynamically and
+            symmetrically, and the product is the exact int32 ``torch._int_mm`` of the int8
+            operands times both scales; the input gradient stays weight-only). An embedding
+            lookup multiplies nothing: the mode does not change it.
 
     Example::
 
@@ -35,11 +44,22 @@ class Int8SymmetricWeightConfig(_AOBaseConfig):
         >>> quantize_(model, Int8SymmetricWeightConfig())
         >>> type(model[0].weight).__name__, model[0].weight.requires_grad
         ('Int8SymmetricTensor', False)
+        >>> quantize_(model, Int8SymmetricWeightConfig(activations="int8"))  # the same int8, W8A8
+        >>> model[0].weight.activations
+        'int8'
     """
 
+    activations: str = "float"
 
-def quantize_module_weight(module: nn.Module) -> nn.Module:
+    def __post_init__(self):
+        check_activations(self.activations, "torch_tp.quant.Int8SymmetricWeightConfig")
+
+
+def quantize_module_weight(module: nn.Module, *, activations: str = "float") -> nn.Module:
     """Replace ``module.weight`` (2-D float) with an ``Int8SymmetricTensor`` parameter, in place.
+
+    A weight that is already an ``Int8SymmetricTensor`` keeps its int8 values and scales and
+    takes ``activations`` (so quantizing again switches the mode without re-rounding).
 
     Example::
 
@@ -47,6 +67,7 @@ def quantize_module_weight(module: nn.Module) -> nn.Module:
         >>> layer.weight.qdata.shape, layer.weight.scale.shape
         (torch.Size([10, 4]), torch.Size([10, 1]))
     """
+    check_activations(activations, "torch_tp.quant.quantize_module_weight")
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) and weight is None:
         raise TypeError(
@@ -54,12 +75,14 @@ def quantize_module_weight(module: nn.Module) -> nn.Module:
             f"nn.Embedding); {type(module).__name__} has none — narrow quantize_'s filter_fn"
         )
     if isinstance(weight, Int8SymmetricTensor):
+        if weight.activations != activations:
+            module.weight = nn.Parameter(weight.with_activations(activations), requires_grad=False)
         return module
-    quantized = Int8SymmetricTensor.from_hp(weight.detach())
+    quantized = Int8SymmetricTensor.from_hp(weight.detach(), activations=activations)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     return module
 
 
 @_register_handler(Int8SymmetricWeightConfig)
 def _quantize_with_int8_symmetric(module: nn.Module, config: Int8SymmetricWeightConfig) -> nn.Module:
-    return quantize_module_weight(module)
+    return quantize_module_weight(module, activations=config.activations)

@@ -15,6 +15,12 @@ the two readings look alike (a one-column shard: ``qdata`` ``(8, 1)``, ``scale``
 such a dim is per-row only if no other dim is (the first one, if several): per-row scales
 vary along one dim, so the shard pads, scatters and joins like its neighbours.
 
+The activation mode (:attr:`Int8SymmetricTensor.activations`) says how a linear layer's
+product treats its input: ``"float"`` (weight-only, the default: the float input times the
+int8 matrix) or ``"int8"`` (W8A8: the input quantized per token, an exact int8 x int8 product;
+see ``_ops_matmul.py``). Every op keeps it, like the logical dtype: shape ops and copies,
+``__tensor_flatten__`` (``torch.compile``), collectives, checkpoints, FSDP2's gather.
+
 The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py`` and
 ``_ops_checkpoint.py`` (what ``torch.save`` and DCP need; see there for checkpoints) and
 ``_ops_overlap.py`` (the fused ops of :mod:`torch_tp.overlap` with int8 weights) and
@@ -31,9 +37,29 @@ from torch_tp.quant import _registry
 from torch_tp.quant._primitives import dequantize_per_row, quantize_per_row
 from torch_tp.quant._torchao import import_torchao
 
-__all__ = ["Int8SymmetricTensor"]
+__all__ = ["ACTIVATIONS", "Int8SymmetricTensor", "check_activations"]
 
 TorchAOBaseTensor = import_torchao("torchao.utils").TorchAOBaseTensor
+
+#: The activation modes: ``"float"`` (weight-only) and ``"int8"`` (W8A8, see ``_ops_matmul.py``).
+ACTIVATIONS = ("float", "int8")
+
+
+def check_activations(activations, where: str = "torch_tp.quant.Int8SymmetricTensor") -> str:
+    """``activations`` if it is one of :data:`ACTIVATIONS`; ``ValueError`` naming ``where`` otherwise.
+
+    Example::
+
+        >>> check_activations("int8")
+        'int8'
+    """
+    if not isinstance(activations, str) or activations not in ACTIVATIONS:
+        raise ValueError(
+            f"{where}(activations={activations!r}): the activation mode is one of {ACTIVATIONS} "
+            f"('float': weight-only, the float input times the int8 weight; 'int8': W8A8, the "
+            f"input quantized per token and an exact int8 x int8 product)"
+        )
+    return activations
 
 
 class Int8SymmetricTensor(TorchAOBaseTensor):
@@ -42,7 +68,8 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
     Build one with :meth:`from_hp` (or ``torchao.quantize_(model, Int8SymmetricWeightConfig())``).
     It behaves as a tensor of its original float ``dtype``: ``F.linear``, ``F.embedding``,
     ``mm``/``addmm``/``matmul`` compute in the input's dtype, and DTensor can shard,
-    redistribute (moving int8 bytes), save and load it.
+    redistribute (moving int8 bytes), save and load it. :attr:`activations` is its
+    activation mode (``"float"``: weight-only; ``"int8"``: W8A8), kept by every op.
 
     Example::
 
@@ -56,54 +83,79 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
 
     tensor_data_names = ["qdata", "scale"]
     tensor_attribute_names = ["dtype"]
-    #: Where the rows came from (see :meth:`layout_flags`): kept by copies, moves and detaches.
-    optional_tensor_attribute_names = ["whole_rows", "shared_scale"]
+    #: Where the rows came from (see :meth:`layout_flags`): kept by copies, moves and detaches;
+    #: and the activation mode (:data:`ACTIVATIONS`), kept by every op.
+    optional_tensor_attribute_names = ["whole_rows", "shared_scale", "activations"]
 
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                whole_rows: bool | None = True, shared_scale: bool | None = False):
+                whole_rows: bool | None = True, shared_scale: bool | None = False,
+                activations: str | None = "float"):
         return torch.Tensor._make_wrapper_subclass(
             cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=False
         )
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                 whole_rows: bool | None = True, shared_scale: bool | None = False):
+                 whole_rows: bool | None = True, shared_scale: bool | None = False,
+                 activations: str | None = "float"):
         super().__init__()
         self.qdata = qdata
         self.scale = scale
         self.whole_rows = True if whole_rows is None else bool(whole_rows)
         self.shared_scale = False if shared_scale is None else bool(shared_scale)
+        self.activations = "float" if activations is None else check_activations(activations)
 
     def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
+        super().__init_subclass__(**kwargs)  # torchao sets cls.__setstate__ here: put ours back
+        cls.__setstate__ = _setstate
         _registry.register(cls)
 
     def __tensor_flatten__(self):
         """``(["qdata", "scale"], context)``; the context names this tensor's registered class
-        and carries its :meth:`layout_flags`."""
+        and carries its :meth:`layout_flags` and :attr:`activations`."""
         return list(self.tensor_data_names), {"dtype": self.dtype, "class": _registry.class_key(type(self)),
-                                              **self.layout_flags()}
+                                              **self.layout_flags(), "activations": self.activations}
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
         """Rebuild from :meth:`__tensor_flatten__`'s output; only torch_tp's registered classes."""
         target = _registry.registered_class(context["class"], Int8SymmetricTensor)
         return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"],
-                      context.get("whole_rows", True), context.get("shared_scale", False))
+                      context.get("whole_rows", True), context.get("shared_scale", False),
+                      context.get("activations", "float"))
 
     @classmethod
-    def from_hp(cls, weight: torch.Tensor) -> "Int8SymmetricTensor":
+    def from_hp(cls, weight: torch.Tensor, *, activations: str = "float") -> "Int8SymmetricTensor":
         """Quantize a 2-D float weight (float32, bfloat16 or float16), one scale per row.
 
+        ``activations``: the activation mode, ``"float"`` (weight-only) or ``"int8"`` (W8A8:
+        a linear layer's input is quantized per token too; see :mod:`torch_tp.quant`'s docs).
+
         Raises ``TypeError`` for a non-float tensor and ``ValueError`` for a weight that is
-        not 2-D or holds NaN/inf.
+        not 2-D or holds NaN/inf, or for another ``activations``.
 
         Example::
 
             >>> Int8SymmetricTensor.from_hp(torch.ones(3, 4, dtype=torch.bfloat16)).dtype
             torch.bfloat16
+            >>> Int8SymmetricTensor.from_hp(torch.ones(3, 4), activations="int8").activations
+            'int8'
         """
+        check_activations(activations, "torch_tp.quant.Int8SymmetricTensor.from_hp")
         qdata, scale = quantize_per_row(weight)
-        return cls(qdata, scale, weight.dtype)
+        return cls(qdata, scale, weight.dtype, activations=activations)
+
+    def with_activations(self, activations: str) -> "Int8SymmetricTensor":
+        """The same int8 values and scales (shared, not copied) under another activation mode.
+
+        Example::
+
+            >>> q = Int8SymmetricTensor.from_hp(torch.ones(3, 4))
+            >>> w8a8 = q.with_activations("int8")
+            >>> w8a8.activations, w8a8.qdata is q.qdata
+            ('int8', True)
+        """
+        check_activations(activations, f"torch_tp.quant.{type(self).__name__}.with_activations")
+        return type(self)(self.qdata, self.scale, self.dtype, self.whole_rows, self.shared_scale, activations)
 
     from_float = from_hp
 
@@ -193,10 +245,10 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         return {"whole_rows": self.whole_rows, "shared_scale": self.shared_scale}
 
     def with_data(self, qdata: torch.Tensor, scale: torch.Tensor, **flags: bool) -> "Int8SymmetricTensor":
-        """A tensor of this class and dtype around new ``qdata`` and ``scale``; its
-        :meth:`layout_flags` are ``flags`` (default: neither, what an op's result may claim)."""
+        """A tensor of this class, dtype and :attr:`activations` around new ``qdata`` and ``scale``;
+        its :meth:`layout_flags` are ``flags`` (default: neither, what an op's result may claim)."""
         flags = {"whole_rows": False, "shared_scale": False, **flags}
-        return type(self)(qdata, scale, self.dtype, flags["whole_rows"], flags["shared_scale"])
+        return type(self)(qdata, scale, self.dtype, flags["whole_rows"], flags["shared_scale"], self.activations)
 
     def piece_flags(self, dim: int) -> dict[str, bool]:
         """The :meth:`layout_flags` of a piece cut from this tensor along ``dim``.
@@ -211,12 +263,25 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         return {"whole_rows": self.whole_rows, "shared_scale": self.whole_rows}
 
     def __repr__(self) -> str:
+        mode = "" if self.activations == "float" else f", activations={self.activations}"
         return (
             f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"qdata=int8, scale={tuple(self.scale.shape)} float32, device={self.device})"
+            f"qdata=int8, scale={tuple(self.scale.shape)} float32{mode}, device={self.device})"
         )
 
 
+_base_setstate = Int8SymmetricTensor.__setstate__  # torchao's: a missing optional attribute is None
+
+
+def _setstate(self, state) -> None:
+    """Unpickling (``torch.load``): torchao's, and a tensor pickled before the activation mode
+    existed is weight-only, the only mode there was."""
+    _base_setstate(self, state)
+    if self.activations is None:
+        self.activations = "float"
+
+
+Int8SymmetricTensor.__setstate__ = _setstate
 _registry.register(Int8SymmetricTensor)
 implements = Int8SymmetricTensor.implements
 implements_torch_function = Int8SymmetricTensor.implements_torch_function
