@@ -4,9 +4,10 @@ Distributed tests use the worker pools of ``torch_tp.testing`` (started lazily
 by ``run_on_ranks``); this file only makes sure they are stopped when the
 session ends. The tests marked ``script_runs`` (they read
 ``torch_tp.testing.ScriptRun`` runs of the tutorials, the demo and the
-benchmarks) run last, in their order, which is the order their runs are started
-ahead (``ScriptRun.plan``), so that two scripts run side by side and never
-beside the in-process distributed tests. Nothing here spawns processes.
+benchmarks) run last, in their order, which is the order their runs start
+(``ScriptRun.plan``): one at a time beside the other tests from the session's
+start (``ScriptRun.begin``, in ``pytest_runtestloop``), two side by side once
+the tests reading them begin.
 
 ``TORCH_TP_TEST_DEVICE=cuda`` (default ``cpu``) runs the suite on GPUs: checked
 at startup, made the default device here, and each test the device cannot run
@@ -53,6 +54,13 @@ def pytest_collection_modifyitems(session, config, items):
     reading = [item for item in items if runs_of(item)]
     items[:] = [item for item in items if not runs_of(item)] + reading
     ScriptRun.plan(run for item in reading for run in runs_of(item))
+
+
+def pytest_runtestloop(session):
+    if not session.config.option.collectonly:  # the scripts start beside the other tests
+        from torch_tp.testing import ScriptRun
+
+        ScriptRun.begin()
 
 
 def _skip_what_the_device_cannot_run(config, items):

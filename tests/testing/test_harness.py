@@ -517,3 +517,37 @@ def test_the_terminal_summary_names_the_device_unless_it_is_cpu(request, monkeyp
     conftest.pytest_terminal_summary(reporter, 0, type("Config", (), {"stash": stash})())
     assert lines == ["torch_tp: the tests ran on cuda (TORCH_TP_TEST_DEVICE=cuda, 2 cuda devices visible); "
                      "5 skipped at collection for the device (-rs: why)"]
+
+
+@pytest.fixture
+def own_script_plan():
+    """The session's planned script runs set aside while a test plans its own (restored after,
+    and the session's chain of runs restarted)."""
+    from torch_tp.testing import ScriptRun
+
+    with ScriptRun._lock:
+        saved = ScriptRun._planned, ScriptRun._in_flight
+    yield ScriptRun
+    with ScriptRun._lock:
+        ScriptRun._planned, ScriptRun._in_flight = saved
+        ScriptRun._start_planned(ScriptRun._planned)
+
+
+def test_planned_scripts_run_one_at_a_time_beside_the_tests_then_two_once_read(own_script_plan, tmp_path):
+    ScriptRun = own_script_plan
+    log = tmp_path / "log"
+    code = "import sys, time; open(sys.argv[1], 'a').write(sys.argv[2] + ' start\\n'); time.sleep(0.3); open(sys.argv[1], 'a').write(sys.argv[2] + ' end\\n')"
+    runs = [ScriptRun("-c", code, str(log), name) for name in "abc"]
+    ScriptRun.plan(runs)
+    ScriptRun.begin()
+    assert [run._thread is not None for run in runs] == [True, False, False]  # one beside the tests
+    runs[0]._thread.join()
+    deadline = time.monotonic() + 10
+    while runs[1]._thread is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runs[1]._thread is not None and runs[2]._thread is None  # the next took its place
+    runs[1]._thread.join()
+    assert runs[1].result().returncode == 0  # a test reads: two at a time from now on
+    runs[2].result()
+    lines = log.read_text().split()
+    assert lines[:4] == ["a", "start", "a", "end"] and lines[4:8] == ["b", "start", "b", "end"], lines

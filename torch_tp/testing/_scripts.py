@@ -94,9 +94,11 @@ class ScriptRun:
     the fork server, the rendezvous), so two scripts side by side take little longer than one.
     Declare the run at module level and mark the tests that read it with
     ``@pytest.mark.script_runs(RUN)``: the repository's ``conftest.py`` moves those tests to the
-    end of the session and hands their runs, in that order, to :meth:`plan`. When a test asks
-    for :meth:`result`, its run starts (if it has not) and so do the planned runs after it, up
-    to :attr:`IN_FLIGHT` at a time. Each run happens once, however many tests read it.
+    end of the session and hands their runs, in that order, to :meth:`plan`, then calls
+    :meth:`begin` as the tests start: the runs start one at a time beside the other tests (a
+    core those leave idle), in order. When a test asks for :meth:`result`, its run starts (if it
+    has not) and so do the planned runs after it, up to :attr:`IN_FLIGHT` at a time. Each run
+    happens once, however many tests read it.
 
     Example::
 
@@ -107,9 +109,14 @@ class ScriptRun:
         ...     assert "loss curve matches" in MAIN_JOB.result().stdout
     """
 
-    #: Runs allowed to be running at once (this one and those started ahead).
+    #: Runs allowed to be running at once once the tests reading them have begun (this one and
+    #: those started ahead).
     IN_FLIGHT: ClassVar[int] = 2
+    #: Runs allowed to be running while the session's other tests still run (:meth:`begin`):
+    #: one script fills the core those tests leave idle (1-rank tests, waits on timeouts).
+    IN_FLIGHT_BESIDE_TESTS: ClassVar[int] = 1
     _planned: ClassVar[list["ScriptRun"]] = []
+    _in_flight: ClassVar[int] = 0  # the limit now: 0 until begin() or a result() is asked for
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, *argv: str, timeout: float = 240.0, env: Mapping[str, str] | None = None) -> None:
@@ -125,6 +132,16 @@ class ScriptRun:
     def plan(cls, runs: Iterable["ScriptRun"]) -> None:
         """The runs the session's tests will read, in the order they read them (once each)."""
         cls._planned = list(dict.fromkeys(runs))
+        cls._in_flight = 0
+
+    @classmethod
+    def begin(cls) -> None:
+        """Start the planned runs now, :attr:`IN_FLIGHT_BESIDE_TESTS` at a time, each next one
+        as the last ends, while the tests that do not read them run; the first :meth:`result`
+        raises the limit to :attr:`IN_FLIGHT`."""
+        with cls._lock:
+            cls._in_flight = max(cls._in_flight, cls.IN_FLIGHT_BESIDE_TESTS)
+            cls._start_planned(cls._planned)
 
     @classmethod
     def stop_all(cls) -> None:
@@ -139,6 +156,7 @@ class ScriptRun:
         if the script failed or ran past its timeout."""
         __tracebackhide__ = True
         with ScriptRun._lock:
+            ScriptRun._in_flight = ScriptRun.IN_FLIGHT
             self._start()
             self._start_ahead()
         assert self._thread is not None
@@ -156,9 +174,14 @@ class ScriptRun:
 
     def _start_ahead(self) -> None:
         planned = ScriptRun._planned
-        after = planned[planned.index(self) + 1:] if self in planned else []
-        for run in after:
-            if sum(r._running() for r in planned) >= ScriptRun.IN_FLIGHT:
+        ScriptRun._start_planned(planned[planned.index(self) + 1:] if self in planned else [])
+
+    @staticmethod
+    def _start_planned(runs: list["ScriptRun"], ending: "ScriptRun | None" = None) -> None:
+        """Start ``runs`` in order while fewer than the limit run, ``ending`` (a run whose thread
+        is finishing) not counted. The caller holds the lock."""
+        for run in runs:
+            if sum(r._running() for r in ScriptRun._planned if r is not ending) >= ScriptRun._in_flight:
                 return
             run._start()
 
@@ -171,6 +194,8 @@ class ScriptRun:
             self._outcome = _finish(self._process, self.argv, self.timeout, check=True)
         except AssertionError as failed:
             self._outcome = failed
+        with ScriptRun._lock:  # the next planned run takes this one's place
+            ScriptRun._start_planned(ScriptRun._planned, ending=self)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
