@@ -10,7 +10,7 @@
   bound, not bit-equal), FSDP2, checkpoints (a mismatch is refused by name).
 - The input gradient is weight-only; the weight is frozen. Inputs it cannot take are refused
   by name. Inductor compiles it with no graph break, reading the int8 weight in ``_int_mm``.
-- ``torch_tp.quant._bench.decode_linear_timings`` returns timings on tiny CPU shapes.
+- ``torch_tp.quant.bench.decode_linear_timings`` returns timings on tiny CPU shapes.
 
 Durations on 2 CPU cores: the compile test pays inductor's start-up (~5 s cold) unless another
 test of the process paid it; the timing test two compiles (~1-3 s each); the ranks tests share
@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp._tokens import dequantize_tokens, quantize_tokens
 from torch_tp.quant import Int8SymmetricTensor, Int8SymmetricWeightConfig, quantize_module_weight
-from torch_tp.quant import _bench, _ops_matmul
+from torch_tp.quant import _ops_matmul, bench
 from torch_tp.testing import TOL, local_chunk, on_ranks, tp_mesh
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -338,7 +338,7 @@ def test_compiled_w8a8_linear_has_no_graph_break_and_reads_the_int8_weight_in_in
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     counters.clear()
     with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled, reads = _bench._compiled(q, x)  # torch.compile(F.linear, backend inductor, fullgraph=True)
+        compiled, reads = bench._compiled(q, x)  # torch.compile(F.linear, backend inductor, fullgraph=True)
         torch.testing.assert_close(compiled(x, q), F.linear(x, q), rtol=1.6e-2, atol=1e-2)  # one bfloat16 step
     assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
     assert reads["read_by"] == ["extern_kernels._int_mm"] and reads["reads_int8_directly"], reads
@@ -350,10 +350,10 @@ def test_decode_linear_timings_on_tiny_cpu_shapes_returns_times_errors_and_weigh
     import torch._functorch.config
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        records = _bench.decode_linear_timings("cpu", torch.bfloat16, [(2, 16, 24)], min_run_time=0.001)
+        records = bench.decode_linear_timings("cpu", torch.bfloat16, [(2, 16, 24)], min_run_time=0.001)
     torch._dynamo.reset()
     by_mode = {record["mode"]: record for record in records}
-    assert list(by_mode) == list(_bench.MODES)
+    assert list(by_mode) == list(bench.DEFAULT_MODES)
     assert all(record["seconds"] > 0 and record["shape"] == (2, 16, 24) for record in records)
     assert by_mode["float"]["relative_error"] == 0
     assert all(0 < record["relative_error"] < 0.03 for mode, record in by_mode.items() if mode != "float")

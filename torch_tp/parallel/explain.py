@@ -177,21 +177,19 @@ def _shard_note(shape: tuple[int, ...], placement: Placement | None, num_ranks: 
     return ""
 
 
-def _local_bytes(param: torch.Tensor, local_shape: tuple[int, ...], placement) -> int:
-    """Bytes of one rank's shard. A tensor subclass that stores inner tensors (torchao's
-    ``tensor_data_names``: e.g. int8 ``qdata`` + float32 ``scale``) is counted by those, each
-    sharded along a dim only where its size follows the outer tensor's."""
+def _local_bytes(param: torch.Tensor, local_shape: tuple[int, ...]) -> int:
+    """Bytes of one rank's shard of shape ``local_shape`` (cut by every mesh dim: tp and dp). A
+    tensor subclass that stores inner tensors (torchao's ``tensor_data_names``: e.g. int8
+    ``qdata`` + float32 ``scale``) is counted by those, each cut along every dim where its size
+    follows the outer tensor's (a ``(rows, 1)`` scale is cut along the rows only)."""
     inner_names = getattr(param, "tensor_data_names", None)
     if not inner_names:
         return int(torch.Size(local_shape).numel()) * param.element_size()
     total = 0
     for inner in (getattr(param, name) for name in inner_names):
         shape = list(inner.shape)
-        dim = rules.sharded_dim(placement)
-        if dim is not None and inner.ndim == param.ndim:
-            dim %= param.ndim
-            if inner.shape[dim] == param.shape[dim]:
-                shape[dim] = local_shape[dim]
+        if inner.ndim == param.ndim:
+            shape = [local if size == whole else size for size, whole, local in zip(shape, param.shape, local_shape)]
         total += int(torch.Size(shape).numel()) * inner.element_size()
     return total
 
@@ -199,7 +197,8 @@ def _local_bytes(param: torch.Tensor, local_shape: tuple[int, ...], placement) -
 def _param_row(module_path, name, param, style, placement, num_ranks, note="") -> ParamRow:
     shape = tuple(param.shape)
     locals_ = tuple(_local_shape(shape, placement, r, num_ranks) for r in range(num_ranks))
-    nbytes = tuple(_local_bytes(param, s, placement) for s in locals_)
+    sizes = {s: _local_bytes(param, s) for s in set(locals_)}
+    nbytes = tuple(sizes[s] for s in locals_)
     note = note or _shard_note(shape, placement, num_ranks)
     return ParamRow(module_path, name, style, shape, param.dtype, placement, locals_, nbytes, note)
 
@@ -329,7 +328,8 @@ def _split_over_dp(root: nn.Module, row: ParamRow, dp: int, tp: int, min_weight_
             shape[dim] //= dp
         shapes.append(tuple(shape))
     param = root.get_parameter(row.path)
-    nbytes = tuple(_local_bytes(param, shape, row.placement if dim is None else placement) for shape in shapes)
+    sizes = {shape: _local_bytes(param, shape) for shape in set(shapes)}  # a few shapes over many ranks
+    nbytes = tuple(sizes[shape] for shape in shapes)
     note = "; ".join(n for n in (row.note, why) if n)
     return replace(row, local_shapes=tuple(shapes), bytes_per_rank=nbytes, note=note, dp_placement=placement)
 

@@ -74,8 +74,32 @@ def distribute_parameters(
         if rules.parts_of(placement) > 1:
             dparam = _distribute_packed(param, device_mesh, placement, src_data_rank)
         else:
-            dparam = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
+            dparam = _without_padding(distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank))
         owner.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+
+def _without_padding(dparam: DTensor) -> DTensor:
+    """``dparam`` with a local shard that holds only itself. torch's ``distribute_tensor`` scatters an
+    uneven ``Shard`` into buffers padded to the largest shard and keeps a ``narrow`` view of its
+    own: a short shard would keep the padding allocated (memory ``predict_placements`` does not
+    count, for the life of the model). A copy of the view is exactly the shard."""
+    local = dparam.to_local().detach()
+    if not any(_is_a_smaller_view(inner) for inner in _inner_tensors(local)):
+        return dparam
+    return DTensor.from_local(local.clone(), dparam.device_mesh, dparam.placements, run_check=False,
+                              shape=dparam.shape, stride=dparam.stride())
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+
+
+def _is_a_smaller_view(tensor: torch.Tensor) -> bool:
+    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+        return False
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
 
 
 def _distribute_packed(tensor: torch.Tensor, device_mesh: DeviceMesh, placement: Placement, src_data_rank):

@@ -23,6 +23,7 @@ A tutorial or benchmark runs as users run it (in the parent; ``ROOT`` is the rep
 
 from torch_tp.testing._comm import assert_comm_counts, comm_counts, communication_of, record_p2p, sent_bytes, wire_bytes
 from torch_tp.testing._dist import RankFailure, run_on_ranks, shutdown_pools, world_sizes
+from torch_tp.testing._fake_world import fake_world_memory
 from torch_tp.testing._fixtures import TOL, block_linear_fraction, markdown_tables, quantize_weights, small_llama, small_llama_args, tolerance
 from torch_tp.testing._on_ranks import on_ranks
 from torch_tp.testing._rank import COLLECTIVE_TIMEOUT, mesh_2x2, rank, tp_mesh, world_size
@@ -51,6 +52,7 @@ __all__ = [
     "assert_training_step_matches",
     "comm_counts",
     "communication_of",
+    "fake_world_memory",
     "full_tensor",
     "full_tensors",
     "local_chunk",

@@ -13,6 +13,8 @@ The modes (:data:`MODES`):
 | --- | --- |
 | ``float`` | ``F.linear`` with the float weight, in ``dtype`` (the baseline: bf16 for ``dtype=torch.bfloat16``) |
 | ``int8-weight-only-eager`` / ``-compiled`` | an ``Int8SymmetricTensor`` weight, ``activations="float"``; compiled: ``torch.compile(fullgraph=True)`` with inductor |
+| ``int8-weight-only-compiled-cdt`` | compiled with ``coordinate_descent_tuning``: on CUDA an ``M = 1`` product becomes a fused multiply-reduce over the int8 weight |
+| ``int8-weight-only-autotune`` | compiled with ``mode="max-autotune-no-cudagraphs"``: Triton matmul templates, the int8 conversion fused as a prologue (only when named: autotuning takes minutes) |
 | ``w8a8-eager`` / ``-compiled`` | the same weight with ``activations="int8"`` (``torch._int_mm``, padded on CUDA) |
 
 Each record also holds the output's relative error against the ``float`` mode (norm of the
@@ -29,10 +31,23 @@ import torch.nn.functional as F
 
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor
 
-__all__ = ["DEFAULT_SHAPES", "MODES", "decode_linear_timings", "weight_reads"]
+__all__ = ["DEFAULT_MODES", "DEFAULT_SHAPES", "MODES", "decode_linear_timings", "weight_reads"]
 
 #: The modes :func:`decode_linear_timings` knows (see the module docstring).
-MODES = ("float", "int8-weight-only-eager", "int8-weight-only-compiled", "w8a8-eager", "w8a8-compiled")
+MODES = ("float", "int8-weight-only-eager", "int8-weight-only-compiled", "int8-weight-only-compiled-cdt",
+         "int8-weight-only-autotune", "w8a8-eager", "w8a8-compiled")
+#: The modes it times when none are named: all but the autotuned one (minutes of autotuning on a GPU).
+DEFAULT_MODES = tuple(mode for mode in MODES if mode != "int8-weight-only-autotune")
+# torch.compile's arguments per compiled mode: "-cdt" turns on coordinate descent tuning, under
+# which inductor decomposes an M = 1 (or N = 1) mm into a fused multiply-reduce that can read the
+# int8 weight and convert it in registers (torch/_inductor/decomposition.py, `mm`; CUDA only);
+# "-autotune" lets inductor choose Triton matmul templates, into which it can fuse the int8 -> float
+# conversion as a prologue.
+_COMPILE_ARGS = {
+    "int8-weight-only-compiled": {}, "w8a8-compiled": {},
+    "int8-weight-only-compiled-cdt": {"options": {"coordinate_descent_tuning": True}},
+    "int8-weight-only-autotune": {"mode": "max-autotune-no-cudagraphs"},
+}
 #: ``(M tokens, K in_features, N out_features)``: decode steps of 1-16 tokens through 4096- and 8192-wide layers.
 DEFAULT_SHAPES = ((1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096),
                   (1, 8192, 8192), (4, 8192, 8192), (16, 8192, 8192), (1, 4096, 14336))
@@ -96,12 +111,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _compiled(weight: Int8SymmetricTensor, x: torch.Tensor) -> tuple[Any, dict[str, Any]]:
-    """``torch.compile(F.linear)`` for this weight and input (a fresh compile), and :func:`weight_reads`."""
+def _compiled(weight: Int8SymmetricTensor, x: torch.Tensor, mode: str = "w8a8-compiled") -> tuple[Any, dict[str, Any]]:
+    """``torch.compile(F.linear)`` for this weight and input (a fresh compile, with ``mode``'s
+    arguments), and :func:`weight_reads`."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()  # a fresh compile per case: no recompile limit, no code of another case
-    fn = torch.compile(_linear, fullgraph=True, dynamic=False)
+    fn = torch.compile(_linear, fullgraph=True, dynamic=False, **_COMPILE_ARGS[mode])
     _, codes = run_and_get_code(fn, x, weight)
     return fn, weight_reads("\n".join(codes), weight.shape)
 
@@ -114,14 +130,14 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def _check_modes(modes: Sequence[str]) -> None:
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
-        raise ValueError(f"torch_tp.quant._bench.decode_linear_timings: unknown modes {unknown}; the modes are {MODES}")
+        raise ValueError(f"torch_tp.quant.bench.decode_linear_timings: unknown modes {unknown}; the modes are {MODES}")
 
 
 def decode_linear_timings(
     device: str | torch.device,
     dtype: torch.dtype = torch.bfloat16,
     shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
     *,
     min_run_time: float = 0.2,
     seed: int = 0,
@@ -163,7 +179,7 @@ def decode_linear_timings(
                 w: torch.Tensor = weight
                 if mode != "float":
                     w = Int8SymmetricTensor.from_hp(weight, activations="int8" if mode.startswith("w8a8") else "float")
-                fn, reads = (_compiled(w, x) if mode.endswith("-compiled") else (_linear, None))
+                fn, reads = (_compiled(w, x, mode) if mode in _COMPILE_ARGS else (_linear, None))
                 out = fn(x, w)
                 timer = Timer(stmt="fn(x, w)", globals={"fn": fn, "x": x, "w": w})
                 seconds = timer.blocked_autorange(min_run_time=min_run_time).median
