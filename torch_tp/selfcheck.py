@@ -239,11 +239,11 @@ def _llama_case(device: str, quick: bool, int8: bool) -> dict[str, Any]:
     got = step(compiled)
     compile_s = time.perf_counter() - start
     want = step(eager)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got.detach(), want.detach(), **tol)
-    for (name, a), (_, b) in zip(compiled_model.named_parameters(), eager.named_parameters()):
-        if a.grad is not None or b.grad is not None:
-            torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor(), **tol, msg=lambda m: f"{name}: {m}")
+    differences = [_relative_difference(got.detach(), want.detach())]
+    for a, b in zip(compiled_model.parameters(), eager.parameters()):
+        if a.grad is not None or b.grad is not None:  # a missing gradient on one side is a difference of 1
+            differences.append(1.0 if a.grad is None or b.grad is None else
+                               _relative_difference(a.grad.full_tensor(), b.grad.full_tensor()))
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     repeats = 3 if quick else 10
     eager_ms = _timed_ms(lambda: step(eager), device, repeats)
@@ -253,9 +253,19 @@ def _llama_case(device: str, quick: bool, int8: bool) -> dict[str, Any]:
     del eager, compiled, compiled_model
     torch._dynamo.reset()
     return {"weights": "int8" if int8 else str(dtype).removeprefix("torch."), "graphs": graphs, "graph breaks": breaks,
+            "max rel diff vs eager": f"{max(differences):.1e}", "within": max(differences) <= _TOLERANCE[dtype],
             "compile s": round(compile_s, 1), "eager step ms": round(eager_ms, 2), "compiled step ms": round(compiled_ms, 2),
             "speedup": round(eager_ms / compiled_ms, 2), "param MiB": round(params / 2**20, 2),
             "peak MiB": "-" if peak is None else round(peak / 2**20, 1)}
+
+
+#: How far the compiled loss and gradients may be from eager's (norm of the difference over the norm).
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def _bytes_of(tensor: torch.Tensor) -> int:
@@ -268,10 +278,11 @@ def _check_llama(run: _Run) -> CheckResult:
     device, quick = run.device, run.quick
     with _one_rank_group(device):
         rows = [_llama_case(device, quick, int8) for int8 in (False, True)]
-    ok = all(row["graph breaks"] == 0 and row["graphs"] == 1 for row in rows)
+    ok = all(row["graph breaks"] == 0 and row["graphs"] == 1 and row["within"] for row in rows)
     args, (batch, seq) = _llama_args(quick)
     return CheckResult("llama", ok, f"zoo Llama dim {args.dim} x {args.n_layers} layers, {batch}x{seq} tokens, "
-                       f"TP+SP plan on 1 rank: compiled = eager, graph breaks {[r['graph breaks'] for r in rows]}", rows)
+                       f"TP+SP plan on 1 rank: compiled within tolerance of eager {[r['within'] for r in rows]}, "
+                       f"graph breaks {[r['graph breaks'] for r in rows]}", rows)
 
 
 # ---------------------------------------------------------------- an 8-rank world, faked
