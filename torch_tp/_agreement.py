@@ -24,7 +24,7 @@ Example::
     ...     problem, facts = None, [Fact("inputs have different shapes", tuple(x.shape), "pad them")]
     ... except ValueError as error:  # this rank's own checks
     ...     problem, facts = error, []
-    >>> agree_or_raise(group, problem, facts, what="my_op", device=x.device)
+    >>> agree_or_raise(group, problem, facts, what="my_op")
     >>> # on 2 ranks whose x differ, both raise:
     >>> # ValueError: my_op: the ranks' inputs have different shapes [(3, 8), (2, 8)]; pad them
 """
@@ -39,7 +39,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fact", "agree_or_raise", "check_on_every_rank", "checks_run", "runtime_checks", "runtime_checks_enabled"]
+__all__ = ["Fact", "agree_or_raise", "check_on_every_rank", "checks_run", "digest_device", "runtime_checks", "runtime_checks_enabled"]
 
 _MISSING = "<missing>"  # shown for a rank that does not state a fact the others state
 
@@ -69,7 +69,6 @@ def agree_or_raise(
     facts: Sequence[Fact],
     *,
     what: str,
-    device: torch.device | str,
 ) -> None:
     """Return on every rank of ``group`` if no rank failed and all hold the same ``facts``;
     else raise on every rank.
@@ -81,7 +80,9 @@ def agree_or_raise(
 
     Keyword Args:
         what: the caller's name, which starts every message (``"all_gather_matmul"``).
-        device: where the digest goes: the group's device (NCCL moves only CUDA tensors).
+
+    The digest travels on the group's own device (:func:`digest_device`), never one a caller
+    or its data suggests, so every rank of the group uses the same one.
 
     Raises:
         ``problem`` on this rank if set; otherwise ``ValueError`` if another rank failed or
@@ -92,10 +93,10 @@ def agree_or_raise(
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> agree_or_raise(group, None, [Fact("calls pass different reduce_op values", "sum", "use one")],
-        ...                what="my_op", device="cpu")
+        ...                what="my_op")
     """
     refusal = None if problem is None else _refusal(problem, what)
-    if group.size() > 1 and not _digests_agree(group, _digest(refusal, facts), device):
+    if group.size() > 1 and not _digests_agree(group, _digest(refusal, facts)):
         details = [None] * group.size()
         dist.all_gather_object(details, (refusal, list(facts)), group=group)
         if problem is None:
@@ -155,7 +156,6 @@ def check_on_every_rank(
     checked_facts: Callable[[], Sequence[Fact]],
     *,
     what: str,
-    device: torch.device | str,
     at_runtime: bool = False,
 ) -> None:
     """Run this rank's checks, ``checked_facts()`` (it raises ``TypeError``, ``ValueError``,
@@ -170,7 +170,7 @@ def check_on_every_rank(
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> check_on_every_rank(group, lambda: [Fact("inputs have different dtypes", x.dtype, "cast")],
-        ...                     what="my_op", device=x.device)
+        ...                     what="my_op")
     """
     if at_runtime and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1):
         return  # traced (the graph is specialized), or a forward recomputed in backward (checked in forward)
@@ -181,7 +181,7 @@ def check_on_every_rank(
         problem, facts = None, list(checked_facts())
     except (TypeError, ValueError, IndexError, NotImplementedError) as error:
         problem, facts = error, []
-    agree_or_raise(group, problem, facts, what=what, device=device)
+    agree_or_raise(group, problem, facts, what=what)
 
 
 def _refusal(problem: Exception, what: str) -> str:
@@ -209,10 +209,29 @@ def checks_run() -> int:
     return _CHECKS_RUN[0]
 
 
-def _digests_agree(group: dist.ProcessGroup, digest: int, device) -> bool:
+def digest_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s agreement digests travel: the CPU when the group has a CPU backend (gloo,
+    or ``"cpu:gloo,cuda:nccl"``: host memory, no wait on a GPU queue), else the current device of
+    the first device type it has (an NCCL-only group: the rank's own GPU, after
+    ``torch.cuda.set_device``). Read off the group's backend config, the same on every rank.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> digest_device(dist.group.WORLD)   # gloo, or cpu:gloo,cuda:nccl
+        device(type='cpu')
+    """
+    types = [entry.split(":")[0] for entry in dist.get_backend_config(group).split(",")]
+    if "cpu" in types or not types:
+        return torch.device("cpu")
+    module = getattr(torch, types[0])
+    return torch.device(types[0], module.current_device())
+
+
+def _digests_agree(group: dist.ProcessGroup, digest: int) -> bool:
     """The one all-gather of the happy path: 8 bytes from each rank."""
     _CHECKS_RUN[0] += 1
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64, device=digest_device(group))
     gathered = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(gathered, mine, group=group)
     return bool(torch.cat(gathered).eq(digest).all())

@@ -117,7 +117,7 @@ def agreed_dtensor(
     if not isinstance(value, DTensor) and isinstance(layout, Shard):
         check_on_every_rank(
             mesh.get_group(), partial(_shard_facts, value, mesh, layout, sharded_dim_size, what),
-            what=what, device=torch.device(mesh.device_type), at_runtime=True,
+            what=what, at_runtime=True,
         )
     return to_dtensor(value, mesh, layout, sharded_dim_size=sharded_dim_size)
 

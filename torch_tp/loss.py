@@ -133,8 +133,7 @@ def cross_entropy(
                  "pass the same reduction, label_smoothing and ignore_index on every rank"),
         ]
 
-    check_on_every_rank(mesh.get_group(tp_axis), facts, what="cross_entropy", device=torch.device(mesh.device_type),
-                        at_runtime=True)
+    check_on_every_rank(mesh.get_group(tp_axis), facts, what="cross_entropy", at_runtime=True)
     t_local = checked["target"] if "target" in checked else _local_target(target, logits, tp_axis, x_local.shape)
     loss = _VocabParallelCrossEntropy.apply(
         x_local.reshape(t_local.numel(), stop - start),  # not -1: a slice may be empty

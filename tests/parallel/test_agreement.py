@@ -166,3 +166,16 @@ def _error_of_runtime(call):
 def test_a_plain_buffer_met_by_a_dtensor_names_the_module_and_the_buffer():
     message = run_on_ranks(_plain_buffer_in_forward, 2)[0]
     assert "SequenceParallel on '0' (_ScaledNorm)" in message and "['scale']" in message
+
+
+@pytest.mark.parametrize("config, device", [
+    ("cpu:gloo,cuda:gloo", torch.device("cpu")),          # gloo
+    ("cpu:gloo,cuda:nccl", torch.device("cpu")),          # torch's default on a GPU machine: host memory, no GPU wait
+    ("cuda:nccl", torch.device("cuda", 3)),               # NCCL alone: the rank's own GPU, never cuda:0 or the CPU
+])
+def test_the_digest_travels_on_the_groups_own_device_whatever_the_data(monkeypatch, config, device):
+    from torch_tp import _agreement
+
+    monkeypatch.setattr(_agreement.dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _agreement.digest_device(object()) == device

@@ -551,3 +551,19 @@ def test_planned_scripts_run_one_at_a_time_beside_the_tests_then_two_once_read(o
     runs[2].result()
     lines = log.read_text().split()
     assert lines[:4] == ["a", "start", "a", "end"] and lines[4:8] == ["b", "start", "b", "end"], lines
+
+
+@pytest.mark.parametrize("backend", ["fake", None], ids=["fake", "no group"])
+def test_wire_bytes_refuses_a_group_gloo_does_not_serve_alone(backend):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_tp.testing import wire_bytes
+
+    if backend is not None:
+        dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"torch_tp\.testing\.wire_bytes counts what gloo is handed.*communication_of"):
+            wire_bytes(lambda: None)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -286,8 +286,7 @@ def _check_on_every_rank(op: str, group_name: str, a, checked_facts: Callable[[i
         problem, facts = None, checked_facts(group.size())
     except Exception as error:  # noqa: BLE001  any error here is reported to every rank, then raised
         problem, facts = error, []
-    device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")  # NCCL moves device tensors only
-    agree_or_raise(group, problem, facts, what=op, device=device)
+    agree_or_raise(group, problem, facts, what=op)
 
 
 _SAME_WEIGHTS = "every rank must pass the same weights"

@@ -55,7 +55,7 @@ def plan_route(top_k_index: torch.Tensor, num_experts: int, group: ProcessGroup,
     sent = per_expert.view(world, -1).sum(1).tolist()
     received = incoming.sum(1).tolist()
     local_ids = torch.arange(num_experts // world, device=flat.device).repeat(world)
-    local_expert = local_ids.repeat_interleave(incoming.reshape(-1))
+    local_expert = local_ids.repeat_interleave(incoming.reshape(-1), output_size=sum(received))  # sized on the host: no second sync
     return Route(order, tuple(sent), tuple(received), local_expert)
 
 

@@ -126,8 +126,7 @@ def parallelize_module(
     except (TypeError, ValueError, NotImplementedError) as err:
         problem, facts = err, []
     # one all-gather of 8 bytes per rank; raises on every rank if one failed or they differ
-    device = torch.device(mesh.device_type)  # NCCL moves device tensors only
-    agree_or_raise(mesh.get_group(), problem, facts, what="parallelize_module", device=device)
+    agree_or_raise(mesh.get_group(), problem, facts, what="parallelize_module")
     before = dict(owned_parameters(module))
     for entry, style, target in zip(entries, styles, targets):
         style.apply_to(target, mesh, src_data_rank=src_data_rank, module_path=entry.path)

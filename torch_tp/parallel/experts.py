@@ -266,7 +266,7 @@ def _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, *, mesh
     count on any rank raises a named error on every rank, not an abort or a hang."""
     check_on_every_rank(
         mesh.get_group(), lambda: _routing_facts(module, hidden_states, top_k_index, top_k_weights, layout, style),
-        what=style, device=torch.device(mesh.device_type), at_runtime=True,
+        what=style, at_runtime=True,
     )
 
 
@@ -347,7 +347,7 @@ def _dense_facts(module, hidden_states, style: str) -> list[Fact]:
 
 def _agree_on_dense_input(module, hidden_states, mesh, style: str) -> None:
     check_on_every_rank(mesh.get_group(), lambda: _dense_facts(module, hidden_states, style), what=style,
-                        device=torch.device(mesh.device_type), at_runtime=True)
+                        at_runtime=True)
 
 
 @torch.compiler.disable

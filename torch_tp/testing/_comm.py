@@ -184,6 +184,19 @@ def _dtype_bytes(dtype: str, event: str) -> int:
     return _PROFILER_DTYPE_BYTES[dtype]
 
 
+def _require_gloo_only() -> None:
+    """gloo's events are the count: a group any of whose devices another backend serves (NCCL's
+    collectives have no such events) would be counted short, so it is refused."""
+    config = dist.get_backend_config() if dist.is_initialized() else ""
+    backends = {entry.split(":")[-1] for entry in config.split(",") if entry}
+    if backends != {"gloo"}:
+        raise RuntimeError(
+            f"torch_tp.testing.wire_bytes counts what gloo is handed, but the default process group's "
+            f"backend is {config or 'not initialized'!r}: run it on a gloo group (on a GPU, count with "
+            f"communication_of or the CUDA profiler's NCCL kernels instead)"
+        )
+
+
 def wire_bytes(step: Callable[[], Any]) -> dict[str, int]:
     """``{gloo collective: bytes this rank handed to it}`` while ``step()`` runs.
 
@@ -199,6 +212,7 @@ def wire_bytes(step: Callable[[], Any]) -> dict[str, int]:
     """
     from torch.profiler import ProfilerActivity, profile
 
+    _require_gloo_only()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     counted: dict[str, int] = {}
