@@ -13,7 +13,9 @@ styles bind them with keyword :func:`functools.partial`) so that ``torch.compile
 traces them without graph breaks. :func:`same_input` says whether two inputs are one value
 (siblings sharing one gather). :func:`agreed_dtensor` annotates a plain tensor that claims
 to be this rank's shard only after the ranks agree on it (the sizes of the collectives that
-follow come from it). This module imports only :mod:`torch_tp._agreement` from torch_tp.
+follow come from it). :func:`inner_tensors` lists the plain tensors that hold a local shard's
+data (a tensor subclass's, such as int8 ``qdata`` + ``scale``), for what counts or copies its
+storage. This module imports only :mod:`torch_tp._agreement` from torch_tp.
 """
 
 from __future__ import annotations
@@ -30,8 +32,26 @@ from torch_tp._agreement import Fact, check_on_every_rank
 
 __all__ = [
     "agreed_dtensor", "shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward",
-    "same_input",
+    "same_input", "inner_tensors",
 ]
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: itself, or a wrapper subclass's inner
+    tensors (``__tensor_flatten__``; recursively).
+
+    Example::
+
+        >>> x = torch.ones(2)
+        >>> inner_tensors(x)[0] is x
+        True
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [inner for name in names for inner in inner_tensors(getattr(tensor, name))]
+    return [tensor]
 
 
 def shard_bounds(size: int, num_ranks: int) -> list[tuple[int, int]]:

@@ -41,9 +41,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CHECKS", "CheckResult", "main", "run_checks"]
+from torch_tp._layouts import inner_tensors
+from torch_tp.testing import ROOT  # the checkout holding tests/, in a clone
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the checkout holding tests/, in a clone
+__all__ = ["CHECKS", "CheckResult", "main", "run_checks"]
 
 
 @dataclass
@@ -80,14 +81,14 @@ class _Run:
 
 
 def _check_tests(run: _Run) -> CheckResult:
-    if not (_ROOT / "tests").is_dir():
-        return CheckResult("tests", False, f"no tests/ beside {_ROOT / 'torch_tp'}: run it from a checkout")
+    if not (ROOT / "tests").is_dir():
+        return CheckResult("tests", False, f"no tests/ beside {ROOT / 'torch_tp'}: run it from a checkout")
     where = ["tests/testing"] if run.quick else ["tests"]
     command = [sys.executable, "-m", "pytest", *where, "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow"]
     env = {**os.environ, "TORCH_TP_TEST_DEVICE": run.device,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     allowed = max(30.0, run.seconds_left())
-    process = subprocess.Popen(command, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
         out, timed_out = process.communicate(timeout=allowed)[0], False
@@ -210,6 +211,7 @@ def _llama_case(device: str, quick: bool, int8: bool) -> dict[str, Any]:
 
     from torch_tp import parallelize_module
     from torch_tp.models.llama import Transformer, tensor_parallel_plan
+    from torch_tp.quant.bench import relative_error
     from torch_tp.testing import quantize_weights
 
     args, (batch, seq) = _llama_args(quick)
@@ -239,11 +241,11 @@ def _llama_case(device: str, quick: bool, int8: bool) -> dict[str, Any]:
     got = step(compiled)
     compile_s = time.perf_counter() - start
     want = step(eager)
-    differences = [_relative_difference(got.detach(), want.detach())]
+    differences = [relative_error(got.detach(), want.detach())]
     for a, b in zip(compiled_model.parameters(), eager.parameters()):
         if a.grad is not None or b.grad is not None:  # a missing gradient on one side is a difference of 1
             differences.append(1.0 if a.grad is None or b.grad is None else
-                               _relative_difference(a.grad.full_tensor(), b.grad.full_tensor()))
+                               relative_error(a.grad.full_tensor(), b.grad.full_tensor()))
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     repeats = 3 if quick else 10
     eager_ms = _timed_ms(lambda: step(eager), device, repeats)
@@ -263,15 +265,9 @@ def _llama_case(device: str, quick: bool, int8: bool) -> dict[str, Any]:
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.float()
-    return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def _bytes_of(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    inner = [getattr(local, name) for name in local.__tensor_flatten__()[0]] if hasattr(local, "__tensor_flatten__") else [local]
-    return sum(t.numel() * t.element_size() for t in inner)
+    return sum(t.numel() * t.element_size() for t in inner_tensors(local))
 
 
 def _check_llama(run: _Run) -> CheckResult:

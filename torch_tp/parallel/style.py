@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward
+from torch_tp._layouts import agreed_dtensor, finish_output, inner_tensors, redistribute_to, replace_forward
 from torch_tp.parallel import _int8_comm, _overlap, rules
 from torch_tp.parallel._shared_input import share_input, shared_input_of
 from torch_tp.parallel._style_base import ParallelStyle
@@ -84,20 +84,14 @@ def _without_padding(dparam: DTensor) -> DTensor:
     own: a short shard would keep the padding allocated (memory ``predict_placements`` does not
     count, for the life of the model). A copy of the view is exactly the shard."""
     local = dparam.to_local().detach()
-    if not any(_is_a_smaller_view(inner) for inner in _inner_tensors(local)):
+    if not any(_is_a_smaller_view(inner) for inner in inner_tensors(local)):
         return dparam
     return DTensor.from_local(local.clone(), dparam.device_mesh, dparam.placements, run_check=False,
                               shape=dparam.shape, stride=dparam.stride())
 
 
-def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
-        return [tensor]
-    return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
-
-
 def _is_a_smaller_view(tensor: torch.Tensor) -> bool:
-    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:  # a storage of its own to read
         return False
     return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor
 
-__all__ = ["DEFAULT_MODES", "DEFAULT_SHAPES", "MODES", "decode_linear_timings", "weight_reads"]
+__all__ = ["DEFAULT_MODES", "DEFAULT_SHAPES", "MODES", "relative_error", "decode_linear_timings", "weight_reads"]
 
 #: The modes :func:`decode_linear_timings` knows (see the module docstring).
 MODES = ("float", "int8-weight-only-eager", "int8-weight-only-compiled", "int8-weight-only-compiled-cdt",
@@ -122,7 +122,14 @@ def _compiled(weight: Int8SymmetricTensor, x: torch.Tensor, mode: str = "w8a8-co
     return fn, weight_reads("\n".join(codes), weight.shape)
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, in float32): how far a result is from its reference.
+
+    Example::
+
+        >>> relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0]))
+        0.0
+    """
     want32 = want.float()
     return ((got.float() - want32).norm() / want32.norm().clamp_min(1e-30)).item()
 
@@ -184,6 +191,6 @@ def decode_linear_timings(
                 timer = Timer(stmt="fn(x, w)", globals={"fn": fn, "x": x, "w": w})
                 seconds = timer.blocked_autorange(min_run_time=min_run_time).median
                 records.append({"shape": (m, k, n), "mode": mode, "dtype": dtype, "device": str(device),
-                                "seconds": seconds, "relative_error": _relative_error(out, reference),
+                                "seconds": seconds, "relative_error": relative_error(out, reference),
                                 "weight_reads": reads})
     return records

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch_tp._layouts import inner_tensors
+from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE
+
 __all__ = ["FakeWorldMemory", "fake_world_memory"]
 
 _WHERE = "torch_tp.testing.fake_world_memory"
-_DEFAULT_MIN_WEIGHT_SIZE = 2**18  # torch_tp.parallel.predict.DEFAULT_MIN_WEIGHT_SIZE (imported lazily)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def fake_world_memory(
     fullgraph: bool = True,
     dp: int = 1,
     fsdp_patterns: str | list[str] | None = None,
-    min_weight_size: int = _DEFAULT_MIN_WEIGHT_SIZE,
+    min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> FakeWorldMemory:
     """Run rank ``rank`` of a ``world_size``-rank job in this process and compare its parameter bytes with the prediction.
@@ -237,16 +239,6 @@ def _step(model, inputs, device, backend, fullgraph, loss_fn) -> tuple[int | Non
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``tensor``'s data (a wrapper subclass's, recursively)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return [inner for name in names for inner in _inner_tensors(getattr(tensor, name))]
-    return [tensor]
-
-
 def _held_bytes(model: nn.Module) -> tuple[int, int, dict[str, int]]:
     """(bytes of the distinct storages, bytes of the shards, {path: shard bytes}) of the local parameters."""
     from torch.distributed.tensor import DTensor
@@ -255,7 +247,7 @@ def _held_bytes(model: nn.Module) -> tuple[int, int, dict[str, int]]:
     by_parameter = {}
     for path, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        inner = _inner_tensors(local)
+        inner = inner_tensors(local)
         by_parameter[path] = sum(t.numel() * t.element_size() for t in inner)
         for t in inner:
             storage = t.untyped_storage()
