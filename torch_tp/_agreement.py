@@ -222,7 +222,7 @@ def digest_device(group: dist.ProcessGroup) -> torch.device:
         device(type='cpu')
     """
     types = [entry.split(":")[0] for entry in dist.get_backend_config(group).split(",")]
-    if "cpu" in types or not types:
+    if "cpu" in types:
         return torch.device("cpu")
     module = getattr(torch, types[0])
     return torch.device(types[0], module.current_device())
