@@ -19,6 +19,7 @@ one pool (its start-up ~2-3 s); the rest ~0.5 s together.
 
 import copy
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,6 +223,11 @@ def test_w8a8_colwise_is_bit_equal_and_rowwise_within_its_slice_rounding_of_one_
     assert sharded.weight.to_local().activations == "int8" and sharded.weight.full_tensor().activations == "int8"
     x_shard = local_chunk(x, -1)
     got = sharded(x_shard)  # each rank rounds its 8 features with their own per-token scale
+    # exactly that: each slice's W8A8 product in reference math, summed over the ranks (so a
+    # weight-only product, or a partial left unsummed, fails here)
+    q = layer.weight
+    per_slice = [_reference(x[:, cols], SimpleNamespace(qdata=q.qdata[:, cols], scale=q.scale)) for cols in (slice(0, 8), slice(8, 16))]
+    torch.testing.assert_close(got, sum(per_slice) + layer.bias, rtol=1e-6, atol=1e-6)
     w = layer.weight.dequantize()
     weight_only = F.linear(x, w) + layer.bias
     slices = [(x[:, :8], w[:, :8]), (x[:, 8:], w[:, 8:])]
