@@ -1,4 +1,5 @@
-"""The import graph of ``torch_tp``: no cycle anywhere, and ``conv/``'s handler modules built on its core only.
+"""The import graph of ``torch_tp``: no cycle anywhere, floors that import downward only, private
+modules kept inside their package, and ``conv/``'s handler modules built on its core only.
 
 Every ``import`` counts, function-level ones included (a cycle closed by an import inside a
 function is still a cycle).
@@ -90,3 +91,38 @@ def test_conv_handler_modules_import_only_the_core():
     for handler_set in _registry.handler_sets():
         conv_imports = {m for m in graph[handler_set.owner] if m.startswith("torch_tp.conv")}
         assert conv_imports <= CONV_FOUNDATIONS, f"{handler_set.owner} imports {conv_imports - CONV_FOUNDATIONS}"
+
+
+def _private_imports_across_packages(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, private module)`` pairs where the importer lies outside the private module's package."""
+    crossings = []
+    for importer, targets in graph.items():
+        for target in targets:
+            if target.rpartition(".")[2].startswith("_"):
+                owner = target.rpartition(".")[0]
+                if not (importer == owner or importer.startswith(owner + ".")):
+                    crossings.append((importer, target))
+    return sorted(crossings)
+
+
+def test_the_tp_core_imports_no_model_level_tool():
+    graph = _graph()
+    upward = {(m, t) for m, ts in graph.items() if m.startswith("torch_tp.parallel")
+              for t in ts if t.startswith("torch_tp.tools")}
+    assert upward == set()
+
+
+def test_no_module_imports_another_packages_private_module():
+    assert _private_imports_across_packages(_graph()) == []
+
+
+def test_the_private_module_check_sees_a_crossing(tmp_path):
+    package = tmp_path / "torch_tp"
+    (package / "conv").mkdir(parents=True)
+    (package / "quant").mkdir()
+    for init in ("__init__.py", "conv/__init__.py", "quant/__init__.py"):
+        (package / init).write_text("")
+    (package / "conv" / "_core.py").write_text("")
+    (package / "conv" / "halo.py").write_text("from torch_tp.conv import _core\n")
+    (package / "quant" / "matmul.py").write_text("from torch_tp.conv._core import x\n")
+    assert _private_imports_across_packages(_graph(package)) == [("torch_tp.quant.matmul", "torch_tp.conv._core")]

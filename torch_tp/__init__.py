@@ -24,12 +24,14 @@ from torch_tp.parallel import (
     SequenceParallel,
     ShardParameter,
     UnsupportedModuleError,
+    parallelize_module,
+)
+from torch_tp.tools import (
     VerificationReport,
     checkpoint_by_pattern,
     explain_plan,
     fully_shard_by_pattern,
     init_parameters,
-    parallelize_module,
     predict_placements,
     save_collectives_and_matmuls,
     suggest_plan,

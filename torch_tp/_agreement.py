@@ -102,7 +102,7 @@ def agree_or_raise(
         if problem is None:
             error = ValueError(_disagreement(details, dist.get_process_group_ranks(group), what))
             # another rank's own check failed: this rank's error is a consequence, and failure
-            # reports (torch_tp._root_cause) name that rank as the root cause
+            # reports (torch_tp._supervise.root_cause) name that rank as the root cause
             error.consequence = any(refusal is not None for refusal, _ in details)
             raise error
     if problem is not None:

@@ -14,7 +14,7 @@ torchrun's agent alone                :func:`launch`
 root cause = earliest failure, to     each rank records its exception with a nanosecond
 the second; a peer that timed out in  timestamp and the collective it came out of; a failure
 a collective can come first           inside a collective counts as a consequence, never the
-                                      root cause (:mod:`torch_tp._root_cause`)
+                                      root cause (:mod:`torch_tp._supervise.root_cause`)
 a hung rank is SIGTERMed, silently    its Python stack is dumped (faulthandler) and the report
                                       names it as the rank its peers waited for, with the
                                       collective, the group and the ranks that never arrived
@@ -29,11 +29,11 @@ a rank that returns while its peers   named as the rank that returned early
 wait in a collective: a timeout in
 the closing barrier
 a killed parent leaves ranks running  ranks die with the process that launched them (Linux
-(blocked in a collective)             parent-death signal, pidfd watch: :mod:`torch_tp._orphans`)
-processes a rank started outlive the  they end with the run (:func:`torch_tp._orphans.end_processes`)
+(blocked in a collective)             parent-death signal, pidfd watch: :mod:`torch_tp._supervise.orphans`)
+processes a rank started outlive the  they end with the run (:func:`torch_tp._supervise.orphans.end_processes`)
 run
 a 50 MiB exception message makes a    every message, traceback and output is bounded
-100 MiB report                        (:func:`torch_tp._rank_failure.bounded`)
+100 MiB report                        (:func:`torch_tp._supervise.rank_failure.bounded`)
 ====================================  =======================================================
 
 The failure is raised in the parent as :class:`LaunchFailure`, root cause first.
@@ -63,10 +63,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tp._heartbeat import Heartbeat, lost_ranks_line
-from torch_tp._orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
-from torch_tp._rank_failure import exception_record, native_errors_to_stderr
-from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
+from torch_tp._supervise.heartbeat import Heartbeat, lost_ranks_line
+from torch_tp._supervise.orphans import descendants, end_processes, exit_with, mark_job, process_state, without_watcher_threads
+from torch_tp._supervise.rank_failure import exception_record, native_errors_to_stderr
+from torch_tp._supervise.root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 
 __all__ = ["LaunchFailure", "launch", "launched_by_torchrun", "rank_device"]
 
@@ -414,7 +414,7 @@ class _RankWatch:
     by a signal (SIGSTOP): such a rank never ends, and holds the agent's SIGTERM pending for 30 s,
     so once a peer has ended the watch sends SIGTERM itself and continues it (its stack is dumped
     where it stopped); and the processes the ranks started, which :meth:`__exit__` ends with
-    those marked with the run (:func:`torch_tp._orphans.end_processes`).
+    those marked with the run (:func:`torch_tp._supervise.orphans.end_processes`).
     """
 
     def __init__(self, run_dir: str, nproc: int) -> None:

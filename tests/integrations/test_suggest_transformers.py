@@ -73,7 +73,7 @@ def _mse(out, target):
 @pytest.mark.parametrize("family", ["bert", "roberta", "clip_text", "vit", "t5"])
 @on_ranks(2)
 def test_a_model_that_ships_no_plan_gets_one_from_its_dataflow_and_trains_like_one_process(family):
-    from torch_tp.parallel.suggest import suggest_plan
+    from torch_tp.tools.suggest import suggest_plan
 
     reference, example = _build(family)
     plan = suggest_plan(reference, tp_mesh(), (example,))
@@ -92,7 +92,7 @@ def test_a_model_that_ships_no_plan_gets_one_from_its_dataflow_and_trains_like_o
 
 @on_ranks(2)
 def test_gpt2s_conv1d_mlps_are_split_its_attention_sized_by_the_whole_model_kept_whole_and_it_trains_like_one_process():
-    from torch_tp.parallel.suggest import PlanDerivationError, suggest_plan
+    from torch_tp.tools.suggest import PlanDerivationError, suggest_plan
 
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -173,7 +173,7 @@ def _ce(logits, targets):
 def test_a_decoder_that_ships_a_plan_gets_a_derived_plan_that_covers_its_linear_layers(family, sequence_parallel):
     from torch_tp.integrations.transformers import tp_plan
     from torch_tp.parallel import match_pattern
-    from torch_tp.parallel.suggest import suggest_plan
+    from torch_tp.tools.suggest import suggest_plan
 
     reference = _decoder(family)
     plan = suggest_plan(reference, tp_mesh(), (torch.randint(0, 128, (2, 8)),), sequence_parallel=sequence_parallel)
@@ -214,7 +214,7 @@ def test_parallelize_gives_a_model_that_ships_no_plan_its_derived_plan_and_says_
 @on_ranks(2)
 def test_parallelize_refuses_what_a_derived_plan_cannot_do_by_name(case):
     from torch_tp.integrations.transformers import parallelize
-    from torch_tp.parallel.suggest import PlanDerivationError
+    from torch_tp.tools.suggest import PlanDerivationError
 
     if case == "sequence parallel on an encoder":  # BERT returns its hidden states: the stream ends whole
         model, _ = _build("bert")

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize_module
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
-from torch_tp.parallel.explain import shard_sizes
+from torch_tp.tools.explain import shard_sizes
 from torch_tp.parallel.plan import resolve_plan
 from torch_tp.testing import on_ranks, tp_mesh
 

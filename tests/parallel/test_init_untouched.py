@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torch_tp import ColwiseParallel, init_parameters, parallelize_module
-from torch_tp.parallel import module_seed
+from torch_tp.tools import module_seed
 from torch_tp.testing import full_tensor, run_on_ranks, tp_mesh, world_sizes
 
 

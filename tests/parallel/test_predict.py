@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import explain_plan, predict_placements
 from torch_tp.models.llama import Transformer, tensor_parallel_plan
-from torch_tp.parallel import predict_dp_placement
+from torch_tp.tools import predict_dp_placement
 from torch_tp.parallel.rules import packed_shard
 from torch_tp.testing import small_llama_args
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from torch_tp import parallelize_module
 from torch_tp.models.llama import tensor_parallel_plan
-from torch_tp.parallel.suggest import SuggestedPlan, suggest_plan
+from torch_tp.tools.suggest import SuggestedPlan, suggest_plan
 from torch_tp.testing import assert_trains_like, block_linear_fraction, on_ranks, small_llama, small_llama_args, tp_mesh
 
 VOCAB = small_llama_args().vocab_size
@@ -180,7 +180,7 @@ class _GlobalViewAndPlainMask(nn.Module):
 
 @on_ranks(2)
 def test_a_plan_that_runs_in_neither_form_is_refused_by_name_on_every_rank():
-    from torch_tp.parallel.suggest import PlanDerivationError
+    from torch_tp.tools.suggest import PlanDerivationError
 
     with pytest.raises(PlanDerivationError, match="on local slices: .*; on DTensors: "):
         suggest_plan(_GlobalViewAndPlainMask(), tp_mesh(), (torch.randn(2, 8, 16),))
@@ -244,7 +244,7 @@ def test_a_projection_cut_into_unequal_parts_stays_whole_with_the_reason():
 
 @on_ranks(2)
 def test_example_inputs_the_model_cannot_take_raise_a_named_error():
-    from torch_tp.parallel.suggest import PlanDerivationError
+    from torch_tp.tools.suggest import PlanDerivationError
 
     with pytest.raises(PlanDerivationError, match=r"could not trace Stack on the example inputs \(RuntimeError"):
         suggest_plan(Stack(), tp_mesh(), (torch.randn(2, 8, 7),))  # 7 features where the model takes 32
@@ -353,7 +353,7 @@ class _Encoder(nn.Module):
 @on_ranks(2)
 def test_sequence_parallel_where_the_stream_cannot_be_split_raises_naming_why(case):
     from torch_tp.models.mixer import mlp_mixer
-    from torch_tp.parallel.suggest import PlanDerivationError
+    from torch_tp.tools.suggest import PlanDerivationError
 
     model, example, why = (_Encoder(), torch.randint(0, 64, (2, 8)), "the model returns it") if case == "returned" else \
         (mlp_mixer(), torch.randn(2, 3, 16, 16), "combines it with a tensor not split like it")

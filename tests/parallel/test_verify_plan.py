@@ -22,7 +22,7 @@ from torch_tp import (
     verify_plan,
 )
 from torch_tp.models.llama import RMSNorm, tensor_parallel_plan
-from torch_tp.parallel.verify import BUFFER, EVAL, GRADIENT, INPUTS, OUTPUT, PLAIN, RANK_GRADIENT, TIE, UPDATED
+from torch_tp.tools.verify import BUFFER, EVAL, GRADIENT, INPUTS, OUTPUT, PLAIN, RANK_GRADIENT, TIE, UPDATED
 from torch_tp.testing import (
     local_chunk,
     on_ranks,

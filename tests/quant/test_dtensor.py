@@ -149,7 +149,7 @@ def test_feature_pieces_quantized_on_each_rank_still_gather_their_scales_and_dis
 @on_ranks(2)
 def test_an_int8_gather_leaves_no_collective_in_flight():
     # Two functional all-gathers in flight at once over gloo corrupt the heap in torch 2.13
-    # (glibc: "malloc(): unaligned tcache chunk detected"; tests/gloo_gathers_in_flight.py shows
+    # (glibc: "malloc(): unaligned tcache chunk detected"; tests/launch/gloo_gathers_in_flight.py shows
     # it without torch_tp). The int8 gather was two (qdata, scale); it is one, waited.
     q = Int8SymmetricTensor.from_hp(torch.randn(8, 16))
     gathered = distribute_tensor(q, tp_mesh(), [Shard(0)]).redistribute(tp_mesh(), [Replicate()], async_op=True)

@@ -281,7 +281,7 @@ def test_the_collectives_list_names_every_collective_of_torch_distributed():
 
     from torch.distributed import distributed_c10d
 
-    from torch_tp._rank_failure import COLLECTIVES
+    from torch_tp._supervise.rank_failure import COLLECTIVES
 
     not_collectives = {"destroy_process_group", "init_process_group", "new_group", "new_subgroups",
                        "new_subgroups_by_enumeration", "shrink_group", "split_group", "record_comm",
@@ -294,8 +294,8 @@ def test_the_collectives_list_names_every_collective_of_torch_distributed():
 def test_a_peer_lost_anywhere_is_a_symptom_and_the_rank_that_crashed_comes_first():
     # gloo's "Connection reset by peer" surfaces from frames the collectives list does not name
     # (a wait inside a tensor subclass, a DTensor redistribute); the rank that died comes first
-    from torch_tp._rank_failure import exception_record
-    from torch_tp._root_cause import RankOutcome, root_cause
+    from torch_tp._supervise.rank_failure import exception_record
+    from torch_tp._supervise.root_cause import RankOutcome, root_cause
 
     def wait_somewhere():
         raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41: Connection reset by peer")

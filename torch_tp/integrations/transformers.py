@@ -39,7 +39,7 @@ from torch_tp.parallel.plan import match_pattern
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from torch_tp.parallel.suggest import suggest_plan
+from torch_tp.tools.suggest import suggest_plan
 
 __all__ = ["STYLES", "EXPERT_STYLES", "DerivedPlanWarning", "tp_plan", "parallelize"]
 

@@ -13,12 +13,10 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamPar
 
 from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
-from torch_tp.parallel._order import require_before
-from torch_tp.parallel._upstream import UpstreamStyle
+from torch_tp._order import require_before
 from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, earlier_ties, keep_earlier_ties
 from torch_tp.parallel.plan import owned_parameters, planned_placements, remember_replaced, resolve_plan, retie
 from torch_tp.parallel.replicate import replicate
-from torch_tp.parallel.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
 
@@ -165,7 +163,7 @@ def _require_mesh(mesh: object, src_data_rank: object) -> DeviceMesh:
 def _checked_plan(module, mesh, plan, replicate_unplanned_params):
     """Resolve the plan and run every check; nothing changes. Returns what applying needs."""
     entries = resolve_plan(module, plan)
-    styles = [e.style if isinstance(e.style, ParallelStyle) else UpstreamStyle(e.style) for e in entries]
+    styles = [e.checked_style for e in entries]
     targets = [module.get_submodule(entry.path) for entry in entries]
     for entry, style, target in zip(entries, styles, targets):
         style.check(target, mesh, entry.path)

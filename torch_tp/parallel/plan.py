@@ -47,6 +47,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import shard_sizes
 from torch_tp.parallel import rules
+from torch_tp.parallel._style_base import ParallelStyle
+from torch_tp.parallel._upstream import UpstreamStyle
 
 __all__ = [
     "PlanEntry",
@@ -84,6 +86,12 @@ class PlanEntry:
     path: str
     pattern: str
     style: UpstreamParallelStyle
+
+    @property
+    def checked_style(self) -> ParallelStyle:
+        """The torch_tp style that checks and applies this entry: ``style`` itself, or an upstream
+        style (``torch.distributed.tensor.parallel``'s) behind its torch_tp rule."""
+        return self.style if isinstance(self.style, ParallelStyle) else UpstreamStyle(self.style)
 
 
 def _is_glob(pattern: str) -> bool:

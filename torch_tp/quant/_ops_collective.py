@@ -19,7 +19,7 @@ The all-gather is one collective, waited before it returns: each rank's ``qdata`
 bytes of its ``scale`` travel packed in one int8 buffer, unpacked on arrival. In torch 2.13,
 two functional all-gathers in flight at once over gloo corrupt the heap (glibc's ``malloc():
 unaligned tcache chunk detected``, or SIGSEGV, within seconds of back-to-back gathers;
-``tests/gloo_gathers_in_flight.py`` shows it without torch_tp), and the int8 gather used to be
+``tests/launch/gloo_gathers_in_flight.py`` shows it without torch_tp), and the int8 gather used to be
 two of them (``qdata``, then ``scale``, waited later through an ``AsyncCollectiveTensor``):
 the suite's rare aborts at an int8 ``full_tensor()``. One waited collective leaves nothing in
 flight past this function.

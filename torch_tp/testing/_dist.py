@@ -50,7 +50,7 @@ import traceback
 from multiprocessing.connection import wait as _wait_for_ready
 from typing import Any, Callable, Iterator, Mapping
 
-from torch_tp._orphans import descendants, end_processes, process_state
+from torch_tp._supervise.orphans import descendants, end_processes, process_state
 from torch_tp.testing._device import device_count, device_skip_reason, harness_device, to_current_device
 from torch_tp.testing._rank import _log_path, _stack_path, _worker_main
 from torch_tp.testing._report import (
@@ -395,7 +395,7 @@ class _WorkerPool:
         self.kill(started)
 
     def kill(self, started: dict[int, int] | None = None) -> None:
-        """Kill every worker and what they started (:func:`torch_tp._orphans.end_processes`:
+        """Kill every worker and what they started (:func:`torch_tp._supervise.orphans.end_processes`:
         the workers' descendants, ``started`` if noted earlier, and every process marked with
         this pool's directory), and remove the pool's files."""
         started = {**(started or {}), **self._started()}  # before the workers die: then they are orphans

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_tp._layouts import inner_tensors
-from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE
+from torch_tp.tools.predict import DEFAULT_MIN_WEIGHT_SIZE
 
 __all__ = ["FakeWorldMemory", "fake_world_memory"]
 
@@ -186,7 +186,7 @@ def _require_no_process_group() -> None:
 
 
 def _predicted_bytes(build_model, plan, axes, rank, fsdp_patterns, min_weight_size) -> dict[str, int]:
-    from torch_tp.parallel import explain_plan, predict_placements
+    from torch_tp.tools import explain_plan, predict_placements
 
     with torch.device("meta"):
         meta_model = build_model()
@@ -209,7 +209,8 @@ def _clear_sharding_caches() -> None:
 def _parallel_model(build_model, plan, axes, device, fsdp_patterns, min_weight_size) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_tp.parallel import fully_shard_by_pattern, parallelize_module
+    from torch_tp.parallel import parallelize_module
+    from torch_tp.tools import fully_shard_by_pattern
 
     torch.manual_seed(0)
     with device:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import exit_with, mark_job
-from torch_tp._rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback, native_errors_to_stderr
+from torch_tp._supervise.orphans import exit_with, mark_job
+from torch_tp._supervise.rank_failure import TRACEBACK_CHARS, bounded, exception_record, formatted_traceback, native_errors_to_stderr
 from torch_tp.testing._device import backend_for, to_current_device
 
 
@@ -154,7 +154,7 @@ def _adopt_sys_path(parent_path: list[str]) -> None:
 
 
 def _failure_record(exc: BaseException) -> dict[str, Any]:
-    """:func:`torch_tp._rank_failure.exception_record`, with the harness's own frame left out."""
+    """:func:`torch_tp._supervise.rank_failure.exception_record`, with the harness's own frame left out."""
     record = exception_record(exc, with_traceback=False)
     record["traceback"] = _format_exception(bare_assert=isinstance(exc, AssertionError) and not record["message"])
     return record
@@ -162,7 +162,7 @@ def _failure_record(exc: BaseException) -> dict[str, Any]:
 
 def _format_exception(bare_assert: bool = False) -> str:
     """The current exception's traceback, minus the harness's own frame (bounded, like every
-    text of a record: :func:`torch_tp._rank_failure.bounded`)."""
+    text of a record: :func:`torch_tp._supervise.rank_failure.bounded`)."""
     exc = sys.exc_info()[1]
     assert exc is not None and exc.__traceback__ is not None
     tb = exc.__traceback__.tb_next or exc.__traceback__

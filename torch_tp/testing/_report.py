@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from torch_tp._orphans import without_watcher_threads
-from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded
-from torch_tp._root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
+from torch_tp._supervise.orphans import without_watcher_threads
+from torch_tp._supervise.rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded
+from torch_tp._supervise.root_cause import OUTPUT_CHARS, STOPPED, RankOutcome, explain, output_tail, root_cause
 from torch_tp.testing._rank import _log_path
 
 
@@ -27,7 +27,7 @@ LOG_TAIL_LINES = 40
 class _Reply:
     """What one rank answered to one request."""
 
-    kind: str  # "ready" | "ok" | "error" (payload: a torch_tp._rank_failure record) | "died"
+    kind: str  # "ready" | "ok" | "error" (payload: a torch_tp._supervise.rank_failure record) | "died"
     payload: Any = None
 
     @property
@@ -58,7 +58,7 @@ def _build_report(
     stopped: frozenset[int] = frozenset(),
 ) -> _Report:
     """Report on every rank that failed or, missing from ``replies``, did not answer: the root
-    cause first (:mod:`torch_tp._root_cause`).
+    cause first (:mod:`torch_tp._supervise.root_cause`).
 
     ``stacks`` holds the stack dumps of ranks that did not answer, ``stopped`` those of them
     found stopped by a signal (SIGSTOP); ``log_offsets`` (one per rank) says where each rank's
@@ -109,7 +109,7 @@ def _read_from(path: str, offset: int, limit: int | None = None) -> str:
 
 
 def _tail(path: str, offset: int) -> str:
-    """The last lines a rank printed since ``offset`` (:func:`torch_tp._root_cause.output_tail`)."""
+    """The last lines a rank printed since ``offset`` (:func:`torch_tp._supervise.root_cause.output_tail`)."""
     return output_tail(_read_from(path, offset, limit=4 * OUTPUT_CHARS), LOG_TAIL_LINES)
 
 

@@ -1,7 +1,7 @@
 """A tensor-parallel plan derived from what the model computes, not from its module names.
 
 :func:`suggest_plan` exports the model (``torch.export``, on the example inputs), then follows
-each linear layer's output features through the graph (:mod:`torch_tp.parallel._dataflow`, one
+each linear layer's output features through the graph (:mod:`torch_tp.tools._dataflow`, one
 rule per op): a layer whose features reach other linear layers' input features only through
 ops that keep them split (pointwise ops, activations, attention within each head) starts a
 group; the group's first layers are ``ColwiseParallel``, the layers it ends in
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 
 from torch_tp.parallel import rules
-from torch_tp.parallel._dataflow import Packed, Stop, rule_for
+from torch_tp.tools._dataflow import Packed, Stop, rule_for
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
@@ -492,7 +492,7 @@ def _split_stream(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict
     """Sequence parallelism on the values between the split layers (the residual stream):
     what the embeddings and ``RowwiseParallel`` layers hand on, followed through the graph
     split along the sequence; every op it meets must keep that split (the rules of
-    :mod:`torch_tp.parallel._dataflow`), every linear layer reading it must be
+    :mod:`torch_tp.tools._dataflow`), every linear layer reading it must be
     ``ColwiseParallel`` (it gathers the sequence), and the model must not return it. The
     styles change in place; anything else raises :class:`PlanDerivationError`."""
     try:

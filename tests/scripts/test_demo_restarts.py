@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from torch_tp._orphans import descendants
+from torch_tp._supervise.orphans import descendants
 from torch_tp.testing import ROOT, run_on_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]

@@ -1,7 +1,7 @@
 """What a failing rank records about itself, for the parent to find the root cause.
 
 A rank that raises writes a *record* (a plain dict, JSON- and pickle-safe) instead of only a
-traceback string, so that the parent (:mod:`torch_tp._root_cause`) can tell the rank that
+traceback string, so that the parent (:mod:`torch_tp._supervise.root_cause`) can tell the rank that
 failed first from the ranks that failed because of it:
 
 ============  ==============================================================================

@@ -1,13 +1,13 @@
 """No orphans: when the process that started a run dies, everything it started ends.
 
-``tests/fault_job.py`` starts two ranks with ``torch_tp.launch`` (torch's elastic agent, a fork
+``tests/launch/fault_job.py`` starts two ranks with ``torch_tp.launch`` (torch's elastic agent, a fork
 server, the ranks) or with ``run_on_ranks`` (a fork server and a pool), one rank blocked inside
 an all_reduce. The job is then killed with SIGKILL (no cleanup at all), SIGTERM or SIGINT
 (Ctrl-C); within 5 s none of its descendants may be running (a zombie, already ended and waiting
 for its new parent to reap it, counts as gone). The six jobs start together (their start is
 seconds of imports each; blocked, they wait idle) and each test stops its own.
 
-A torchrun agent killed with its workers blocked: ``tests/test_multinode.py`` (a lost node).
+A torchrun agent killed with its workers blocked: ``tests/launch/test_multinode.py`` (a lost node).
 """
 
 import os

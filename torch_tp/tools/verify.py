@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamParallelStyle
 
 from torch_tp.parallel import rules
-from torch_tp.parallel._verify_report import (
+from torch_tp.tools._verify_report import (
     BUFFER,
     EVAL,
     GRADIENT,

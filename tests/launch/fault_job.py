@@ -1,14 +1,14 @@
 """Faulty runs in a process of their own, for the tests that need one.
 
-``python tests/fault_job.py launch|pool FLAG_FILE``: a run to kill. Rank 1 writes ``FLAG_FILE``
+``python tests/launch/fault_job.py launch|pool FLAG_FILE``: a run to kill. Rank 1 writes ``FLAG_FILE``
 and sleeps; rank 0 waits for it inside an all_reduce (a collective that would outlive a killed
-parent). ``tests/test_orphans.py`` kills this process and checks that every process it started
+parent). ``tests/launch/test_orphans.py`` kills this process and checks that every process it started
 is gone.
 
-``torchrun --nproc-per-node 2 tests/fault_job.py torchrun -``: rank 1 raises while rank 0 waits
-in an all_reduce; ``tests/test_faults.py`` checks that torchrun names rank 1 as the root cause.
+``torchrun --nproc-per-node 2 tests/launch/fault_job.py torchrun -``: rank 1 raises while rank 0 waits
+in an all_reduce; ``tests/launch/test_faults.py`` checks that torchrun names rank 1 as the root cause.
 
-(A killed torchrun agent's workers: ``tests/test_multinode.py``, a lost node.)
+(A killed torchrun agent's workers: ``tests/launch/test_multinode.py``, a lost node.)
 """
 
 import faulthandler

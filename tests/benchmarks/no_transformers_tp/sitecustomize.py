@@ -1,6 +1,6 @@
 """Imported first by every process of a run whose PYTHONPATH starts here (spawned ranks too):
 transformers' process group check then fails, as it would where torch.distributed cannot be set
-up for it. Used by ``tests/test_transformers_benchmark.py``."""
+up for it. Used by ``tests/benchmarks/test_transformers_benchmark.py``."""
 
 import transformers.distributed.utils as utils
 

@@ -9,7 +9,7 @@ for one machine before allocating anything — and the mesh may be a plain rank 
 On a 2-D mesh (``("dp", "tp")``, or a mapping ``{"dp": 2, "tp": 4}``) the report is that of
 ``parallelize_module`` on the tp axis followed by
 :func:`torch_tp.fully_shard_by_pattern` on the dp axis: each row also carries its dp
-placement as FSDP will choose it (:mod:`torch_tp.parallel.predict`), and the local shapes
+placement as FSDP will choose it (:mod:`torch_tp.tools.predict`), and the local shapes
 and bytes of every rank of the mesh.
 """
 
@@ -26,10 +26,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import shard_sizes
 from torch_tp.parallel import rules
-from torch_tp.parallel._upstream import UpstreamStyle
 from torch_tp.parallel.plan import outermost_matches, resolve_plan
-from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
-from torch_tp.parallel.style import ParallelStyle
+from torch_tp.tools.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
 
 __all__ = ["ParamRow", "PlanReport", "explain_plan", "shard_sizes"]
 
@@ -213,7 +211,7 @@ def _check_note(style, module, mesh, path) -> str:
 
 def _rows_for_entry(root, entry, mesh, num_ranks) -> list[ParamRow]:
     module = root.get_submodule(entry.path)
-    style = entry.style if isinstance(entry.style, ParallelStyle) else UpstreamStyle(entry.style)
+    style = entry.checked_style
     style_name = type(entry.style).__name__
     note = _check_note(style, module, mesh, entry.path)
     placements = {} if note else style.param_placements(module)

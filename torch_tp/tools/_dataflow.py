@@ -357,12 +357,12 @@ def rule_for(node: Node) -> Callable[[Node, dict[Node, int]], int]:
         >>> rule_for(graph.call_function(torch.ops.aten.sum.default, (x,)))
         Traceback (most recent call last):
         ...
-        torch_tp.parallel._dataflow.Stop: aten.sum.default has no rule for a split dim (torch_tp.parallel._dataflow)
+        torch_tp.tools._dataflow.Stop: aten.sum.default has no rule for a split dim (torch_tp.tools._dataflow)
     """
     if node.target is operator.getitem:  # one output of split / chunk: split like them
         return _same
     rule = _RULES.get(node.target)
     if rule is None:
-        raise Stop(f"{node.target} has no rule for a split dim (torch_tp.parallel._dataflow)")
+        raise Stop(f"{node.target} has no rule for a split dim (torch_tp.tools._dataflow)")
     return rule
 

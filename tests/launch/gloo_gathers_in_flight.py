@@ -8,8 +8,8 @@ same gathers run clean. torch_tp's int8 gather used to be two of them (``qdata``
 
 Not a test (it crashes on purpose); run by hand::
 
-    python3 tests/gloo_gathers_in_flight.py two      # aborts within ~30 s on 4 CPU ranks
-    python3 tests/gloo_gathers_in_flight.py serial   # 1000 rounds, clean
+    python3 tests/launch/gloo_gathers_in_flight.py two      # aborts within ~30 s on 4 CPU ranks
+    python3 tests/launch/gloo_gathers_in_flight.py serial   # 1000 rounds, clean
 """
 
 import datetime

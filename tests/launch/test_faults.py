@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_tp._orphans import process_state
-from torch_tp._rank_failure import MESSAGE_CHARS, exception_record
-from torch_tp._root_cause import RankOutcome, explain
+from torch_tp._supervise.orphans import process_state
+from torch_tp._supervise.rank_failure import MESSAGE_CHARS, exception_record
+from torch_tp._supervise.root_cause import RankOutcome, explain
 from torch_tp.launch import LaunchFailure, _record_for_torchrun, launch
 from torch_tp.testing import RankFailure, run_on_ranks, run_script
 

@@ -1,16 +1,16 @@
 """A two-node ``torchrun`` job on this machine: two agents on 127.0.0.1 with a c10d rendezvous.
 
-``python tests/two_nodes.py run ARGS...``: both agents run ``torchrun --nnodes 2 --node-rank
+``python tests/launch/two_nodes.py run ARGS...``: both agents run ``torchrun --nnodes 2 --node-rank
 0|1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT -m torch_tp.demo
 ARGS...`` to the end; prints each agent's exit code and output.
 
-``python tests/two_nodes.py kill ARGS...``: once the job trains, node 1's agent is killed with
+``python tests/launch/two_nodes.py kill ARGS...``: once the job trains, node 1's agent is killed with
 SIGKILL (a lost node) once the first training step is printed; prints the ranks its workers ran, how long node 0's agent took to exit,
 the processes of either agent still alive 10 s later, and node 0's output.
 
 Node 0's agent starts first, so it hosts the rendezvous store (the agent whose address is the
 endpoint and binds it first: the node whose loss ends the job in torchrun's own
-``RendezvousConnectionError``); node 1 is the node a job loses. ``tests/test_multinode.py``
+``RendezvousConnectionError``); node 1 is the node a job loses. ``tests/launch/test_multinode.py``
 reads what this prints.
 """
 
@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from torch_tp._orphans import descendants, process_state
+from torch_tp._supervise.orphans import descendants, process_state
 
 _UP_S = 60.0  # for the store, then for the first training steps
 _ENDED_S = 60.0  # for node 0's agent after node 1's was killed

@@ -6,7 +6,7 @@ re-implement it. What it adds:
 * **units by pattern**: ``fully_shard`` on every module the patterns select (torch_tp's glob
   rules, strict; the outermost match only), then on the root;
 * **predicted shard dims**: each parameter's dp shard dim follows
-  :mod:`torch_tp.parallel.predict` (the largest dim TP left free that divides by dp, else the
+  :mod:`torch_tp.tools.predict` (the largest dim TP left free that divides by dp, else the
   TP dim when it divides by ``tp * dp``), handed to FSDP2 as ``shard_placement_fn``, and
   :func:`predict_placements` shows the result on a ``meta`` model first;
 * **small parameters replicated**: those under ``min_weight_size`` elements (and those no
@@ -36,10 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torch_tp.parallel._order import require_before
-from torch_tp.parallel.explain import PlanReport, explain_plan
+from torch_tp._order import require_before
+from torch_tp.tools.explain import PlanReport, explain_plan
 from torch_tp.parallel.plan import outermost_matches
-from torch_tp.parallel.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
+from torch_tp.tools.predict import DEFAULT_MIN_WEIGHT_SIZE, axis_sizes, check_min_weight_size, predict_dp_placement
 
 __all__ = ["fully_shard_by_pattern", "predict_placements"]
 

@@ -4,7 +4,7 @@ curve within 1e-5), and a directory it cannot use is refused by name with nothin
 
 The job's body (``torch_tp.demo._run``, what every rank runs under ``python -m torch_tp.demo``)
 runs on the harness's ranks with the options the command line would give; killing ranks under
-``torchrun`` is ``tests/test_demo_restarts.py``.
+``torchrun`` is ``tests/scripts/test_demo_restarts.py``.
 """
 
 import pathlib

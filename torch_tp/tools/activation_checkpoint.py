@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torch_tp._layouts import replace_forward
-from torch_tp.parallel._order import CHECKPOINTED, require_before
+from torch_tp._order import CHECKPOINTED, require_before
 from torch_tp.parallel.plan import outermost_matches
 
 __all__ = ["checkpoint_by_pattern", "save_collectives_and_matmuls"]

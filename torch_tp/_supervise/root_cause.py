@@ -24,9 +24,9 @@ a collective                                           none hangs elsewhere: it 
 =====================================================  ===========================================
 
 Every text a report quotes (messages, tracebacks, stacks, output) is bounded
-(:func:`torch_tp._rank_failure.bounded`): a rank that prints 50 MiB gets a report of kilobytes.
+(:func:`torch_tp._supervise.rank_failure.bounded`): a rank that prints 50 MiB gets a report of kilobytes.
 
-Imports nothing from torch_tp beyond :mod:`torch_tp._rank_failure` (the records' format).
+Imports nothing from torch_tp beyond :mod:`torch_tp._supervise.rank_failure` (the records' format).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_tp._rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded, collective_in_stack, recording_in_stack
+from torch_tp._supervise.rank_failure import MESSAGE_CHARS, TRACEBACK_CHARS, bounded, collective_in_stack, recording_in_stack
 
 __all__ = ["OUTPUT_CHARS", "STOPPED", "RankOutcome", "explain", "exit_description", "output_tail", "root_cause"]
 
@@ -46,7 +46,7 @@ _SUMMARY_CHARS = 500  # of one rank's message on the summary line
 #: How a rank found stopped by a signal is described (its peers wait for it, then time out).
 STOPPED = "stopped by SIGSTOP (or another stop signal: the process was in state T) and never continued"
 #: Where native code says why a process ended, most telling first: a C++ exception's ``what():``,
-#: glibc's heap checks (on stderr once :func:`torch_tp._rank_failure.native_errors_to_stderr`
+#: glibc's heap checks (on stderr once :func:`torch_tp._supervise.rank_failure.native_errors_to_stderr`
 #: ran), Python's fatal error.
 _NATIVE_REASONS = (
     "what():", "malloc(): ", "free(): ", "realloc(): ", "double free or corruption", "corrupted size vs. prev_size",
@@ -60,7 +60,7 @@ class RankOutcome:
     """What one rank of a failed run did.
 
     ``state`` is ``"ok"`` (its function returned), ``"raised"`` (``record`` holds the
-    exception, see :mod:`torch_tp._rank_failure`), ``"exited"`` (the process ended on its own
+    exception, see :mod:`torch_tp._supervise.rank_failure`), ``"exited"`` (the process ended on its own
     without a record; ``exit_code`` is negative for a signal), ``"running"`` (still inside its
     function when the run was stopped; ``stack`` is its Python stack, ``how`` says how it was
     stopped), ``"stopped"`` (found stopped by a signal, SIGSTOP: it never continued; ``stack``

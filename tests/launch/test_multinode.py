@@ -1,5 +1,5 @@
 """The main job as a two-node ``torchrun`` job (two agents on 127.0.0.1, c10d rendezvous: dp across
-the nodes, tp within each), run to the end and with one node lost (``tests/two_nodes.py``)."""
+the nodes, tp within each), run to the end and with one node lost (``tests/launch/two_nodes.py``)."""
 
 import re
 
@@ -9,8 +9,8 @@ from torch_tp.testing import ScriptRun
 
 pytestmark = pytest.mark.slow
 
-TWO_NODES = ScriptRun("tests/two_nodes.py", "run", "--dp", "2", "--steps", "6")
-NODE_LOST = ScriptRun("tests/two_nodes.py", "kill", "--dp", "2", "--steps", "50")
+TWO_NODES = ScriptRun("tests/launch/two_nodes.py", "run", "--dp", "2", "--steps", "6")
+NODE_LOST = ScriptRun("tests/launch/two_nodes.py", "kill", "--dp", "2", "--steps", "50")
 
 
 @pytest.mark.script_runs(TWO_NODES)
