@@ -32,7 +32,7 @@ from torch_tp._agreement import Fact, check_on_every_rank
 
 __all__ = [
     "agreed_dtensor", "shard_bounds", "shard_sizes", "to_dtensor", "redistribute_to", "finish_output", "replace_forward",
-    "same_input", "inner_tensors",
+    "same_input", "inner_tensors", "packed_dtensor",
 ]
 
 
@@ -116,6 +116,19 @@ def to_dtensor(
     return DTensor.from_local(
         value, mesh, (layout,), run_check=False, shape=shape, stride=stride
     )
+
+
+def packed_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, shape) -> DTensor:
+    """Label this rank's pieces of a packed tensor (a packed shard: its slice of each part) with
+    the global ``shape``, which ``from_local`` cannot infer from local sizes.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> packed_dtensor(y_local, mesh, _StridedShard(1, split_factor=2), (2, 8, 12))
+    """
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def agreed_dtensor(

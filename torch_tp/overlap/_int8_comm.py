@@ -51,7 +51,7 @@ from torch_tp._tokens import numel, packed_tokens, unpacked_tokens
 from torch_tp.overlap._custom_ops import _rows, gathered_shape, group_size, resolve_group, scattered_shape
 from torch_tp.overlap._ring import pairwise_matmul_reduce_scatter, ring_all_gather_matmul
 
-__all__: list[str] = []
+__all__ = ["run_int8_all_gather_matmul", "run_matmul_int8_reduce_scatter"]
 
 
 def _check(x: Tensor, dim: int, op: str) -> None:
@@ -140,24 +140,34 @@ _int8_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_
 # ------------------------------------------------------------------ fused with the matmul (overlap=True)
 
 
-@torch.library.custom_op("torch_tp::int8_all_gather_matmul", mutates_args=())
-def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, group_name: str) -> tuple[Tensor, list[Tensor]]:
-    """``all_gather_matmul`` whose ring moves every token as int8 with its scale: each chunk is
-    dequantized as it arrives and multiplied while the next one travels."""
+def run_int8_all_gather_matmul(a_shard: Tensor, chunk_matmul, out_features: list[int], gather_dim: int,
+                               group_name: str) -> tuple[Tensor, list[Tensor]]:
+    """The ring of ``int8_all_gather_matmul`` with the chunk product supplied: every token travels
+    as int8 with its scale, and ``chunk_matmul(rows)`` (rows 2-D, ``(m, K)``, dequantized) returns
+    ``[rows @ b for each b]``, ``out_features`` columns each. The float weights' op and the int8
+    weights' op of :mod:`torch_tp.quant` run this one ring."""
     _check(a_shard, gather_dim, "int8_all_gather_matmul")
     group = resolve_group(group_name)
     front = a_shard.movedim(gather_dim, 0).contiguous()
     inner = list(front.shape[1:])
 
-    def chunk_matmul(chunk: Tensor) -> list[Tensor]:
-        x = unpacked_tokens(chunk, [chunk.shape[0], *inner], a_shard.dtype)
-        return [torch.matmul(x, b).reshape(chunk.shape[0], -1) for b in bs]
+    def on_chunk(chunk: Tensor) -> list[Tensor]:
+        rows = unpacked_tokens(chunk, [chunk.shape[0], *inner], a_shard.dtype).reshape(-1, inner[-1])
+        return [y.reshape(chunk.shape[0], -1) for y in chunk_matmul(rows)]
 
-    packed, outs = ring_all_gather_matmul(packed_tokens(front), chunk_matmul, group)
+    packed, outs = ring_all_gather_matmul(packed_tokens(front), on_chunk, group)
     rows = group.size() * front.shape[0]
     gathered = unpacked_tokens(packed, [rows, *inner], a_shard.dtype).movedim(0, gather_dim).contiguous()
-    return gathered, [o.reshape(rows, *inner[:-1], b.shape[-1]).movedim(0, gather_dim).contiguous()
-                      for o, b in zip(outs, bs)]
+    return gathered, [o.reshape(rows, *inner[:-1], n).movedim(0, gather_dim).contiguous()
+                      for o, n in zip(outs, out_features)]
+
+
+@torch.library.custom_op("torch_tp::int8_all_gather_matmul", mutates_args=())
+def _int8_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], gather_dim: int, group_name: str) -> tuple[Tensor, list[Tensor]]:
+    """``all_gather_matmul`` whose ring moves every token as int8 with its scale: each chunk is
+    dequantized as it arrives and multiplied while the next one travels."""
+    return run_int8_all_gather_matmul(a_shard, lambda rows: [rows @ b for b in bs], [b.shape[-1] for b in bs],
+                                      gather_dim, group_name)
 
 
 @_int8_all_gather_matmul.register_fake
@@ -191,18 +201,26 @@ def _int8_all_gather_matmul_backward(ctx, grad_gathered, grad_outs):
 _int8_all_gather_matmul.register_autograd(_int8_all_gather_matmul_backward, setup_context=_int8_all_gather_matmul_setup)
 
 
-@torch.library.custom_op("torch_tp::matmul_int8_reduce_scatter", mutates_args=())
-def _matmul_int8_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str) -> Tensor:
-    """``matmul_reduce_scatter`` whose partial sums travel as int8 with one scale per token."""
+def run_matmul_int8_reduce_scatter(a: Tensor, chunk_matmul, out_features: int, scatter_dim: int,
+                                   group_name: str) -> Tensor:
+    """The pairwise schedule of ``matmul_int8_reduce_scatter`` with the chunk product supplied:
+    ``chunk_matmul(rows)`` returns ``[rows @ b]`` (``out_features`` columns); each partial sum is
+    quantized once and summed in float32 on arrival."""
     _check(a, scatter_dim, "matmul_int8_reduce_scatter")
     group = resolve_group(group_name)
     _check_even(a, scatter_dim, group.size())
     front = a.movedim(scatter_dim, 0)
-    shape = [front.shape[0] // group.size(), *front.shape[1:-1], b.shape[-1]]
-    out = pairwise_matmul_reduce_scatter(  # each partial sum quantized once, summed in float32 on arrival
-        front, lambda rows: [torch.mm(rows, b)], group,
+    shape = [front.shape[0] // group.size(), *front.shape[1:-1], out_features]
+    out = pairwise_matmul_reduce_scatter(
+        front, chunk_matmul, group,
         encode=packed_tokens, decode=lambda packed: unpacked_tokens(packed, shape, torch.float32))
     return out.to(a.dtype).movedim(0, scatter_dim).contiguous()
+
+
+@torch.library.custom_op("torch_tp::matmul_int8_reduce_scatter", mutates_args=())
+def _matmul_int8_reduce_scatter(a: Tensor, b: Tensor, scatter_dim: int, group_name: str) -> Tensor:
+    """``matmul_reduce_scatter`` whose partial sums travel as int8 with one scale per token."""
+    return run_matmul_int8_reduce_scatter(a, lambda rows: [torch.mm(rows, b)], b.shape[-1], scatter_dim, group_name)
 
 
 @_matmul_int8_reduce_scatter.register_fake

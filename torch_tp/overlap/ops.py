@@ -7,7 +7,8 @@ starts; :func:`all_gather_then_matmul` / :func:`matmul_then_reduce_scatter` comp
 results unfused. A weight subclass whose matmul the ring cannot express as ``rows @ b``
 (:class:`~torch_tp.quant.Int8SymmetricTensor`) registers its own custom ops around
 :func:`ring_all_gather_matmul` / :func:`ring_matmul_reduce_scatter` (the same rings with the
-chunk product supplied) and validates with :func:`check_all_gather_matmul` /
+chunk product supplied; :func:`int8_ring_all_gather_matmul` / :func:`int8_ring_matmul_reduce_scatter`
+for the rings of ``comm_dtype=torch.int8``, which move int8 tokens) and validates with :func:`check_all_gather_matmul` /
 :func:`check_matmul_reduce_scatter`: that is the whole seam, no private import.
 
 Example::
@@ -27,7 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_tp._agreement import Fact, agree_or_raise
-from torch_tp.overlap import _custom_ops
+from torch_tp.overlap import _custom_ops, _int8_comm
 from torch_tp.overlap._custom_ops import REDUCE_OPS, check_all_gather_matmul, check_matmul_reduce_scatter
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "check_all_gather_matmul",
     "check_matmul_reduce_scatter",
     "group_name_of",
+    "int8_ring_all_gather_matmul",
+    "int8_ring_matmul_reduce_scatter",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
     "ring_all_gather_matmul",
@@ -269,6 +272,37 @@ def ring_matmul_reduce_scatter(
         >>> y = ring_matmul_reduce_scatter(h, lambda rows: [rows @ w2.t()], 1, group_name)
     """
     return _custom_ops.run_matmul_reduce_scatter(a, chunk_matmul, scatter_dim, group_name, reduce_op)
+
+
+def int8_ring_all_gather_matmul(
+    a_shard: torch.Tensor, chunk_matmul: ChunkMatmul, out_features: Sequence[int], gather_dim: int, group_name: str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`ring_all_gather_matmul` whose ring moves every token as int8 with one float32 scale
+    (``torch.ops.torch_tp.int8_all_gather_matmul``'s ring): ``chunk_matmul(rows)`` gets each
+    chunk dequantized, ``(m, K)``, and returns ``[rows @ b for each b]`` of ``out_features``
+    columns each. No autograd (wrap it in a custom op).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> gathered, (y,) = int8_ring_all_gather_matmul(x, lambda rows: [rows @ w.t()], [w.shape[0]], 1, name)
+    """
+    return _int8_comm.run_int8_all_gather_matmul(a_shard, chunk_matmul, list(out_features), gather_dim, group_name)
+
+
+def int8_ring_matmul_reduce_scatter(
+    a: torch.Tensor, chunk_matmul: ChunkMatmul, out_features: int, scatter_dim: int, group_name: str
+) -> torch.Tensor:
+    """:func:`ring_matmul_reduce_scatter` whose partial sums travel as int8 with one scale per token
+    (``torch.ops.torch_tp.matmul_int8_reduce_scatter``'s schedule, summed in float32 on arrival):
+    ``chunk_matmul(rows)`` returns ``[rows @ b]`` of ``out_features`` columns.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> y = int8_ring_matmul_reduce_scatter(h, lambda rows: [rows @ w2.t()], w2.shape[0], 1, name)
+    """
+    return _int8_comm.run_matmul_int8_reduce_scatter(a, chunk_matmul, out_features, scatter_dim, group_name)
 
 
 # ------------------------------------------------------------------ one argument check across the ranks

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.int8_*)
-from torch_tp._layouts import agreed_dtensor, finish_output, redistribute_to, replace_forward, to_dtensor
+from torch_tp._layouts import agreed_dtensor, finish_output, packed_dtensor, redistribute_to, replace_forward, to_dtensor
 from torch_tp.parallel import rules
 from torch_tp.parallel._shared_input import shared_input_of
 
@@ -35,10 +35,11 @@ __all__ = ["install_colwise", "install_rowwise_output"]
 # ------------------------------------------------------------------ the styles' forwards
 
 
-def _colwise_forward(module: nn.Linear, x, *, device_mesh: DeviceMesh, layout: Shard, group_name: str, module_path):
+def _colwise_forward(module: nn.Linear, x, *, device_mesh: DeviceMesh, layout: Shard, group_name: str, module_path,
+                     packed: int = 1):
     """``ColwiseParallel(comm_dtype=torch.int8)``: the sequence-sharded input gathered as int8,
     then ``nn.Linear``'s matmul on the local weight shard; the output is the DTensor the float
-    layer gives (``Shard(-1)``)."""
+    layer gives (``Shard(-1)``; with ``packed=k`` the packed shard, each part's slice)."""
     raw = rules.require_first_input((x,), module, module_path, "ColwiseParallel")
     what = f"ColwiseParallel(comm_dtype=torch.int8) on {rules.describe(module, module_path)}"
     x = redistribute_to(raw, layout) if isinstance(raw, DTensor) else agreed_dtensor(raw, device_mesh, layout, what=what)
@@ -49,14 +50,16 @@ def _colwise_forward(module: nn.Linear, x, *, device_mesh: DeviceMesh, layout: S
     whole = gather() if shared is None else shared.converted(module, raw, gather)
     bias = None if module.bias is None else module.bias.to_local()
     y = F.linear(whole, module.weight.to_local(), bias)
+    if packed > 1:
+        return packed_dtensor(y, device_mesh, rules.packed_shard(y.ndim - 1, packed), (*y.shape[:-1], module.out_features))
     return to_dtensor(y, device_mesh, Shard(y.ndim - 1), sharded_dim_size=module.out_features)
 
 
-def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path) -> None:
+def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard, module_path, packed: int = 1) -> None:
     """Install the forward of ``ColwiseParallel(comm_dtype=torch.int8)`` (no input pre-hook:
-    the forward annotates a plain input as ``layout`` itself)."""
+    the forward annotates a plain input as ``layout`` itself; ``packed``: the weight's parts)."""
     replace_forward(module, _colwise_forward, device_mesh=device_mesh, layout=layout,
-                    group_name=device_mesh.get_group().group_name, module_path=module_path)
+                    group_name=device_mesh.get_group().group_name, module_path=module_path, packed=packed)
 
 
 def _rowwise_output(module, inputs, output, *, device_mesh: DeviceMesh, layout: Shard, use_local_output: bool,

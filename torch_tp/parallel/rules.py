@@ -482,19 +482,19 @@ def overlap_layout(layout: Placement | None, argument: str, style: str, what: st
     )
 
 
-def packed_parts(value: object, style: str, *, overlap: bool = False) -> int:
+def packed_parts(value: object, style: str) -> int:
     """``packed=k``: how many equal matrices a fused weight stacks along its sharded dim.
 
-    An int ``>= 1``; ``1`` is an ordinary weight. A packed weight cannot be overlapped: the
-    fused ops exchange one contiguous shard per rank.
+    An int ``>= 1``; ``1`` is an ordinary weight. (Which settings a packed weight combines
+    with is the forward-kind table's: :mod:`torch_tp.parallel._forward_kinds`.)
 
     Example::
 
         >>> packed_parts(2, "ColwiseParallel")
         2
-        >>> packed_parts(2, "ColwiseParallel", overlap=True)
+        >>> packed_parts(0, "ColwiseParallel")
         Traceback (most recent call last):
-        ValueError: ColwiseParallel(packed=2, overlap=True) is not supported: ...
+        ValueError: ColwiseParallel(packed=...) must be at least 1 (1: an ordinary weight); got 0
     """
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
@@ -503,12 +503,6 @@ def packed_parts(value: object, style: str, *, overlap: bool = False) -> int:
         )
     if value < 1:
         raise ValueError(f"{style}(packed=...) must be at least 1 (1: an ordinary weight); got {value}")
-    if value > 1 and overlap:
-        raise ValueError(
-            f"{style}(packed={value}, overlap=True) is not supported: the fused ops exchange one "
-            f"contiguous shard per rank, and a packed weight's shard is a slice of each part. Use "
-            f"overlap=False for the packed layer"
-        )
     return value
 
 
@@ -534,12 +528,13 @@ def overlap_leading_dim(layout: Shard, x: DTensor, style: str, module: nn.Module
 
 
 def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
-                  overlap: bool = False, packed: int = 1, comm_dtype: torch.dtype | None = None) -> None:
+                  packed: int = 1) -> None:
     """Raise if ``ColwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     It splits an ``nn.Linear``'s output features (weight dim 0) or an ``nn.Embedding``'s
     embedding dim (weight dim 1); each rank must get at least one of them, of every part of
-    a ``packed`` weight.
+    a ``packed`` weight. (What ``overlap``, ``comm_dtype`` and ``packed`` take besides is the
+    forward-kind table's: :mod:`torch_tp.parallel._forward_kinds`.)
 
     Example::
 
@@ -548,19 +543,11 @@ def check_colwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
         ValueError: ColwiseParallel cannot shard 'proj' (Linear).weight (shape (2, 16)) on dim 0: ...
         >>> check_colwise(nn.Linear(16, 12), 2, "qkv", packed=3)
     """
-    _check_linear_or_embedding(
-        module, device_mesh, "ColwiseParallel", module_path, colwise=True, overlap=overlap, packed=packed
-    )
-    if comm_dtype is not None and overlap:
-        _require_float_weight_for_int8_ring(module, "ColwiseParallel", module_path)
-    if comm_dtype is not None:  # the int8 gather runs a forward of its own: nn.Linear's
-        _require_linear(module, "ColwiseParallel", "comm_dtype=torch.int8",
-                        "gathers the input as int8 and runs nn.Linear's matmul on it", "comm_dtype=None", module_path)
-        _require_linear_forward(module, "ColwiseParallel", module_path, setting="comm_dtype=torch.int8")
+    _check_linear_or_embedding(module, device_mesh, "ColwiseParallel", module_path, colwise=True, packed=packed)
 
 
 def check_rowwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path: str | None = None, *,
-                  overlap: bool = False, packed: int = 1, comm_dtype: torch.dtype | None = None) -> None:
+                  packed: int = 1) -> None:
     """Raise if ``RowwiseParallel`` cannot shard ``module`` on ``device_mesh`` (changes nothing).
 
     It splits an ``nn.Linear``'s input features (weight dim 1) or an ``nn.Embedding``'s
@@ -574,42 +561,18 @@ def check_rowwise(module: nn.Module, device_mesh: DeviceMesh | int, module_path:
         Traceback (most recent call last):
         torch_tp.parallel.rules.UnsupportedModuleError: RowwiseParallel cannot shard 'norm' (LayerNorm): ...
     """
-    _check_linear_or_embedding(
-        module, device_mesh, "RowwiseParallel", module_path, colwise=False, overlap=overlap, packed=packed
-    )
-    if comm_dtype is not None and overlap:
-        _require_float_weight_for_int8_ring(module, "RowwiseParallel", module_path)
+    _check_linear_or_embedding(module, device_mesh, "RowwiseParallel", module_path, colwise=False, packed=packed)
 
 
-def _require_float_weight_for_int8_ring(module: nn.Module, style: str, module_path) -> None:
-    """``overlap=True`` with ``comm_dtype=torch.int8``: the int8 ring multiplies float weights only."""
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and type(weight.data) is not torch.Tensor:
-        raise NotImplementedError(
-            f"{style}(overlap=True, comm_dtype=torch.int8) on {describe(module, module_path)}: its weight is "
-            f"{type(weight.data).__name__}; the int8 ring multiplies float weights only. Use overlap=False "
-            f"with comm_dtype and int8 weights (or comm_dtype=None with overlap)"
-        )
-
-
-def _check_linear_or_embedding(
-    module, device_mesh, style, module_path, *, colwise: bool, overlap: bool, packed: int
-) -> None:
+def _check_linear_or_embedding(module, device_mesh, style, module_path, *, colwise: bool, packed: int) -> None:
     require_1d_mesh(device_mesh, style)
     _require_module_type(module, (*_SHARDABLE, *transposed_linear_types()), style, module_path)
-    if packed > 1 and not is_linear_layer(module):
-        _require_linear(module, style, f"packed={packed}", "shards the parts of a fused nn.Linear weight",
-                        "packed=1", module_path)
     _require_only_weight_and_bias(module, style, module_path)
     require_plain_parameters(module, style, module_path)
     dim = _weight_shard_dim(module, colwise=colwise)
     _require_equal_parts(module, dim, packed, style, module_path)
     _require_shardable(module, dim, mesh_size(device_mesh), style, module_path, parts=packed)
     require_unprepared(module, BOTH_STAGES, style, module_path)
-    if overlap:
-        _require_linear(module, style, "overlap=True", "fuses an nn.Linear's matmul with its communication",
-                        "overlap=False", module_path)
-        _require_linear_forward(module, style, module_path)
     if not colwise and isinstance(module, nn.Embedding):
         _require_local_lookup(module, style, module_path)
 
@@ -624,27 +587,6 @@ def _require_local_lookup(module: nn.Embedding, style: str, module_path) -> None
             f"{style} cannot shard {describe(module, module_path)} by vocabulary with {unsupported} set: "
             f"each rank looks up only its own rows (renorming, frequency scaling and sparse gradients "
             f"need the whole table); turn them off, or use ColwiseParallel (shards the embedding dim)"
-        )
-
-
-def _require_linear(module: nn.Module, style: str, setting: str, why: str, fix: str, module_path) -> None:
-    if not isinstance(module, nn.Linear):
-        raise UnsupportedModuleError(
-            f"{style}({setting}) cannot handle {describe(module, module_path)}: it {why}; use "
-            f"{fix} for this module"
-        )
-
-
-def _require_linear_forward(module: nn.Module, style: str, module_path, setting: str = "overlap=True") -> None:
-    """``overlap=True`` (and ``comm_dtype``) run ``F.linear``, not the module's forward: a subclass
-    with a forward of its own (a scale, an activation after the matmul) would silently lose it."""
-    if type(module).forward is not nn.Linear.forward:
-        default = setting.split("=")[0] + ("=False" if setting.startswith("overlap") else "=None")
-        raise UnsupportedModuleError(
-            f"{style}({setting}) cannot handle {describe(module, module_path)}: "
-            f"{type(module).__qualname__} has its own forward, which the fused all-gather/matmul "
-            f"would replace with nn.Linear's (whatever else it computes would be lost); use "
-            f"{default} for this module"
         )
 
 

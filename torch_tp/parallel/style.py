@@ -4,7 +4,9 @@ that applies them.
 A style is a keyword-only dataclass: its constructor normalizes the arguments with the
 normalizers of :mod:`torch_tp.parallel.rules` (so a bad layout fails where it is written),
 :meth:`ParallelStyle.check` runs the style's rule, and :meth:`ParallelStyle.apply_to`
-distributes the parameters the rule places and installs the forward hooks. The function
+distributes the parameters the rule places and installs the forward hooks. Colwise and
+Rowwise read the forward they install (or the refusal they raise) off one table,
+:mod:`torch_tp.parallel._forward_kinds`: ``apply_to`` is "distribute, install, record". The function
 forms of :mod:`torch_tp.functional` build the style and call these same two methods, so
 ``torch_tp.functional.colwise(m, mesh, **kw)`` and
 ``parallelize_module(root, mesh, {path: ColwiseParallel(**kw)})`` run one implementation.
@@ -31,11 +33,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._layouts import agreed_dtensor, finish_output, inner_tensors, redistribute_to, replace_forward
-from torch_tp.parallel import _int8_comm, _overlap, rules
-from torch_tp.parallel._shared_input import share_input, shared_input_of
+from torch_tp._layouts import agreed_dtensor, inner_tensors, packed_dtensor, redistribute_to, replace_forward
+from torch_tp.parallel import _overlap, rules
+from torch_tp.parallel._forward_kinds import kinds_of, output_to
+from torch_tp.parallel._shared_input import share_input
 from torch_tp.parallel._style_base import ParallelStyle
-from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
 # upstream defines these in its style.py, and upstream code imports them from ``.style``
 from torch_tp.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
@@ -110,13 +112,7 @@ def _distribute_packed(tensor: torch.Tensor, device_mesh: DeviceMesh, placement:
         distribute_tensor(part, device_mesh, [Shard(dim)], src_data_rank=src_data_rank).to_local()
         for part in tensor.detach().chunk(parts, dim)
     ]
-    return _packed_dtensor(torch.cat(slices, dim), device_mesh, placement, tensor.shape)
-
-
-def _packed_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, placement: Placement, shape) -> DTensor:
-    """Label this rank's packed pieces with the global ``shape`` (``from_local`` would guess it from local sizes)."""
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride)
+    return packed_dtensor(torch.cat(slices, dim), device_mesh, placement, tensor.shape)
 
 
 def _plain_tensors(module: nn.Module) -> list[str]:
@@ -181,54 +177,10 @@ def name_plain_tensors_on_error(
 # ------------------------------------------------------------------- forward hooks
 
 
-def _sharded_input(module, args, *, device_mesh, layout, desired, sharded_dim_size, module_path, style, packed=1):
-    if args and isinstance(args[0], DTensor) and args[0].placements == (_packed(desired, packed, args[0].ndim),):
-        return None  # already in place (e.g. after PrepareModuleInput): leave the args as they are
-    x = rules.require_first_input(args, module, module_path, style)
-    size = sharded_dim_size if _shards_last_dim(layout, x.ndim) else None
-    layout, desired = _packed(layout, packed, x.ndim), _packed(desired, packed, x.ndim)
-    what = f"{style} on {rules.describe(module, module_path)}"
-
-    def convert():
-        return redistribute_to(_as_dtensor(x, device_mesh, layout, size, packed, what), desired)
-
-    shared = shared_input_of(module)  # siblings reading one input: one DTensor, one reduction back
-    return (convert() if shared is None else shared.converted(module, x, convert), *args[1:])
-
-
-def _as_dtensor(x, device_mesh, layout: Placement, last_dim_size: int | None, packed: int, what: str) -> DTensor:
-    """``to_dtensor``, plus the global size of a packed last dim, which ``to_dtensor`` cannot rebuild.
-
-    A last-dim size is known only when ``layout`` shards the last dim, which ``packed > 1``
-    made the packed shard. (``packed`` is passed, not read off the placement: ``torch.compile``
-    cannot trace ``_StridedShard.split_factor``.)
-    """
-    if packed > 1 and last_dim_size is not None and not isinstance(x, DTensor):
-        return _packed_dtensor(x, device_mesh, layout, (*x.shape[:-1], last_dim_size))
-    return agreed_dtensor(x, device_mesh, layout, sharded_dim_size=last_dim_size, what=what)
-
-
-def _shards_last_dim(layout: Placement, ndim: int) -> bool:
-    return isinstance(layout, Shard) and layout.dim % ndim == ndim - 1
-
-
-def _packed(layout: Placement | None, packed: int, ndim: int) -> Placement | None:
-    """``layout``, where a shard of the last dim means the packed shard of ``packed`` parts."""
-    if packed > 1 and _shards_last_dim(layout, ndim):
-        return rules.packed_shard(ndim - 1, packed)
-    return layout
-
-
 def _sequence_input(module, args, *, device_mesh, layout, module_path):
     x = rules.require_first_input(args, module, module_path, "SequenceParallel")
     what = f"SequenceParallel on {rules.describe(module, module_path)}"
     return (redistribute_to(agreed_dtensor(x, device_mesh, layout, what=what), layout), *args[1:])
-
-
-def _output_to(module, inputs, output, *, layout, use_local_output, packed=1):
-    if layout is not None:
-        output = redistribute_to(output, _packed(layout, packed, output.ndim))
-    return finish_output(output, use_local_output)
 
 
 # ------------------------------------------------------------------- colwise / rowwise
@@ -247,6 +199,8 @@ class _LinearStyle(ParallelStyle):
     #: (input_layouts, output_layouts) defaults; the layout overlap=True fuses, and what it fuses
     _defaults: ClassVar[tuple[Placement | None, Placement]]
     _overlapped: ClassVar[tuple[str, str]]
+    #: the style column of :data:`torch_tp.parallel._forward_kinds.TABLE`
+    table_key: ClassVar[str]
 
     def __post_init__(self):
         name = type(self).__name__
@@ -257,9 +211,23 @@ class _LinearStyle(ParallelStyle):
         if self.overlap:
             argument, what = self._overlapped
             rules.overlap_layout(getattr(self, argument), argument, name, what)
-        self.packed = rules.packed_parts(self.packed, name, overlap=self.overlap)
+        self.packed = rules.packed_parts(self.packed, name)
         argument = self._overlapped[0]
         self.comm_dtype = rules.comm_dtype(self.comm_dtype, getattr(self, argument), argument, name)
+        self._kinds = kinds_of(self)  # this style's rows of the forward-kind table (raises a refusal for all modules)
+
+    def check(self, module, device_mesh, module_path=None):
+        self._check_module(module, device_mesh, module_path)
+        self._kinds.forward_for(module, module_path)
+
+    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
+        forward = self._kinds.forward_for(module, module_path)  # read before distributing: the weight kind
+        distribute_parameters(module, self.param_placements(module), device_mesh, src_data_rank)
+        forward.install(self, module, device_mesh, module_path)
+        # a subclass's own forward (output * buffer) runs on DTensors: name its plain buffers on error
+        name_plain_tensors_on_error(module, type(self).__name__, module_path, alternative=None)
+        rules.mark_prepared(module, rules.BOTH_STAGES, type(self).__name__)
+        return module
 
 
 class ColwiseParallel(_LinearStyle):
@@ -294,7 +262,8 @@ class ColwiseParallel(_LinearStyle):
             each token as int8 with one float32 scale (and the input gradient's
             reduce-scatter too; :mod:`torch_tp.overlap._int8_comm`), about a quarter of the
             float32 bytes, within half a quantization step per element. ``nn.Linear`` only;
-            with ``overlap=True`` the fused ring moves the int8 tokens (float weights).
+            with ``overlap=True`` the fused ring moves the int8 tokens (float or int8
+            weight-only weights).
             Default ``None`` (the activation's dtype).
 
     Returns:
@@ -317,33 +286,13 @@ class ColwiseParallel(_LinearStyle):
 
     _defaults = (Replicate(), Shard(-1))
     _overlapped = ("input_layouts", "all-gather")
+    table_key = "colwise"
 
     def param_placements(self, module):
         return rules.colwise_placements(module, self.packed)
 
-    def check(self, module, device_mesh, module_path=None):
-        rules.check_colwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed,
-                            comm_dtype=self.comm_dtype)
-
-    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        distribute_parameters(module, rules.colwise_placements(module, self.packed), device_mesh, src_data_rank)
-        if self.overlap:
-            _overlap.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path,
-                                     int8_comm=self.comm_dtype is not None)
-        elif self.comm_dtype is not None:
-            _int8_comm.install_colwise(module, device_mesh, layout=self.input_layouts, module_path=module_path)
-        else:
-            module.register_forward_pre_hook(partial(
-                _sharded_input, device_mesh=device_mesh, layout=self.input_layouts, desired=Replicate(),
-                sharded_dim_size=None, module_path=module_path, style="ColwiseParallel",
-            ))
-        module.register_forward_hook(partial(
-            _output_to, layout=self.output_layouts, use_local_output=self.use_local_output, packed=self.packed
-        ))
-        # a subclass's own forward (output * buffer) runs on DTensors: name its plain buffers on error
-        name_plain_tensors_on_error(module, "ColwiseParallel", module_path, alternative=None)
-        rules.mark_prepared(module, rules.BOTH_STAGES, "ColwiseParallel")
-        return module
+    def _check_module(self, module, device_mesh, module_path):
+        rules.check_colwise(module, device_mesh, module_path, packed=self.packed)
 
     def link_siblings(self, modules, where):
         if self.overlap and len(modules) > 1:
@@ -386,7 +335,7 @@ class RowwiseParallel(_LinearStyle):
             summed in float32 on arrival), and the output gradient's all-gather moves int8
             too (:mod:`torch_tp.overlap._int8_comm`). Linear and Embedding; with
             ``overlap=True`` the fused op sends each partial sum as int8 while the next is
-            multiplied (float weights). Default ``None`` (the activation's dtype).
+            multiplied (float or int8 weight-only weights). Default ``None`` (the activation's dtype).
 
     Returns:
         A :class:`ParallelStyle` for :func:`torch_tp.parallelize_module`.
@@ -406,39 +355,13 @@ class RowwiseParallel(_LinearStyle):
     # input None: chosen by module type when applied (Shard(-1) for Linear, Replicate() for ids)
     _defaults = (None, Replicate())
     _overlapped = ("output_layouts", "reduce-scatter")
+    table_key = "rowwise"
 
     def param_placements(self, module):
         return rules.rowwise_placements(module, self.packed)
 
-    def check(self, module, device_mesh, module_path=None):
-        rules.check_rowwise(module, device_mesh, module_path, overlap=self.overlap, packed=self.packed,
-                            comm_dtype=self.comm_dtype)
-
-    def apply_to(self, module, device_mesh, *, src_data_rank=0, module_path=None):
-        is_embedding = isinstance(module, nn.Embedding)
-        desired = Replicate() if is_embedding else Shard(-1)
-        distribute_parameters(module, rules.rowwise_placements(module, self.packed), device_mesh, src_data_rank)
-        module.register_forward_pre_hook(partial(
-            _sharded_input, device_mesh=device_mesh, layout=self.input_layouts or desired, desired=desired,
-            sharded_dim_size=None if is_embedding else rules.in_features(module), module_path=module_path,
-            style="RowwiseParallel", packed=self.packed,
-        ))
-        if self.overlap:
-            _overlap.install_rowwise(module, device_mesh, layout=self.output_layouts, module_path=module_path,
-                                     int8_comm=self.comm_dtype is not None)
-        if is_embedding and type(module).forward is nn.Embedding.forward:
-            # a subclass's own forward (Gemma scales the rows) keeps DTensor's embedding rule
-            replace_forward(module, vocab_parallel_lookup, device_mesh=device_mesh)
-        if self.comm_dtype is not None and not self.overlap:  # (with overlap: inside the fused op)
-            _int8_comm.install_rowwise_output(module, device_mesh, layout=self.output_layouts,
-                                              use_local_output=self.use_local_output, module_path=module_path)
-        else:
-            module.register_forward_hook(
-                partial(_output_to, layout=self.output_layouts, use_local_output=self.use_local_output)
-            )
-        name_plain_tensors_on_error(module, "RowwiseParallel", module_path, alternative=None)
-        rules.mark_prepared(module, rules.BOTH_STAGES, "RowwiseParallel")
-        return module
+    def _check_module(self, module, device_mesh, module_path):
+        rules.check_rowwise(module, device_mesh, module_path, packed=self.packed)
 
 
 # ------------------------------------------------------------------- sequence parallel
@@ -488,7 +411,7 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(partial(
             _sequence_input, device_mesh=device_mesh, layout=Shard(self.sequence_dim), module_path=module_path
         ))
-        module.register_forward_hook(partial(_output_to, layout=None, use_local_output=self.use_local_output))
+        module.register_forward_hook(partial(output_to, layout=None, use_local_output=self.use_local_output))
         name_plain_tensors_on_error(module, "SequenceParallel", module_path)
         rules.mark_prepared(module, rules.BOTH_STAGES, "SequenceParallel")
         return module

@@ -1,14 +1,24 @@
 """The fused overlap ops (:mod:`torch_tp.overlap`) with ``Int8SymmetricTensor`` right operands.
 
-``torch.ops.torch_tp.all_gather_matmul`` / ``matmul_reduce_scatter`` called with int8
-weights reach this table through ``__torch_dispatch__`` and run as two plain-tensor custom
-ops that take the int8 ``qdata`` and float32 ``scale`` separately, so the weight stays int8
-while the ring multiplies chunk by chunk:
+The fused ops called with int8 weights reach this table through ``__torch_dispatch__`` and
+run as plain-tensor custom ops that take the int8 ``qdata`` and float32 ``scale`` separately,
+so the weight stays int8 while the ring multiplies chunk by chunk:
 
-``torch_tp::all_gather_int8_matmul(Tensor a_shard, Tensor[] qdatas, Tensor[] scales, SymInt gather_dim, str group_name) -> (Tensor, Tensor[])``
-``torch_tp::int8_matmul_reduce_scatter(Tensor a, Tensor qdata, Tensor scale, SymInt scatter_dim, str group_name, str reduce_op) -> Tensor``
+=============================================  ==========================================================
+op (int8 right operands)                       runs as
+=============================================  ==========================================================
+``torch_tp::all_gather_matmul``                ``torch_tp::all_gather_int8_matmul(a_shard, qdatas, scales,
+                                               gather_dim, group_name)``
+``torch_tp::matmul_reduce_scatter``            ``torch_tp::int8_matmul_reduce_scatter(a, qdata, scale,
+                                               scatter_dim, group_name, reduce_op)``
+``torch_tp::int8_all_gather_matmul``           ``torch_tp::int8_all_gather_int8_matmul(a_shard, qdatas,
+(``comm_dtype=torch.int8``: int8 tokens)       scales, gather_dim, group_name)``
+``torch_tp::matmul_int8_reduce_scatter``       ``torch_tp::int8_matmul_int8_reduce_scatter(a, qdata, scale,
+(int8 partial sums)                            scatter_dim, group_name)``
+=============================================  ==========================================================
 
-The fused ops are weight-only: W8A8 weights (``activations="int8"``) are refused by name
+So ``overlap=True`` with ``comm_dtype=torch.int8`` and int8 weights moves int8 tokens and
+multiplies int8 weights. The fused ops are weight-only: W8A8 weights (``activations="int8"``) are refused by name
 (``NotImplementedError``), since the ring would multiply float chunks by them.
 
 Autograd stays with the float ops above ``__torch_dispatch__``: their backward calls the
@@ -92,6 +102,34 @@ def _int8_matmul_reduce_scatter_fake(a, qdata, scale, scatter_dim, group_name, r
     return torch.ops.torch_tp.matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
 
 
+@torch.library.custom_op("torch_tp::int8_all_gather_int8_matmul", mutates_args=())
+def _int8_all_gather_int8_matmul(
+    a_shard: Tensor, qdatas: list[Tensor], scales: list[Tensor], gather_dim: int, group_name: str
+) -> tuple[Tensor, list[Tensor]]:
+    _check_int8_operands(qdatas, scales, a_shard, "int8_all_gather_int8_matmul")
+    chunk_matmul = _int8_chunk_matmul(qdatas, scales, a_shard.dtype)
+    return overlap.int8_ring_all_gather_matmul(a_shard, chunk_matmul, [q.shape[-1] for q in qdatas], gather_dim,
+                                               group_name)
+
+
+@_int8_all_gather_int8_matmul.register_fake
+def _int8_all_gather_int8_matmul_fake(a_shard, qdatas, scales, gather_dim, group_name):
+    return torch.ops.torch_tp.int8_all_gather_matmul(a_shard, _float_stand_ins(a_shard, qdatas), gather_dim, group_name)
+
+
+@torch.library.custom_op("torch_tp::int8_matmul_int8_reduce_scatter", mutates_args=())
+def _int8_matmul_int8_reduce_scatter(a: Tensor, qdata: Tensor, scale: Tensor, scatter_dim: int, group_name: str) -> Tensor:
+    _check_int8_operands([qdata], [scale], a, "int8_matmul_int8_reduce_scatter")
+    chunk_matmul = _int8_chunk_matmul([qdata], [scale], a.dtype)
+    return overlap.int8_ring_matmul_reduce_scatter(a, chunk_matmul, qdata.shape[-1], scatter_dim, group_name)
+
+
+@_int8_matmul_int8_reduce_scatter.register_fake
+def _int8_matmul_int8_reduce_scatter_fake(a, qdata, scale, scatter_dim, group_name):
+    (b,) = _float_stand_ins(a, [qdata])
+    return torch.ops.torch_tp.matmul_int8_reduce_scatter(a, b, scatter_dim, group_name)
+
+
 def _require_int8_weights(a: Tensor, bs: list[Tensor], op: str) -> None:
     if isinstance(a, Int8SymmetricTensor):
         raise NotImplementedError(f"{op} with an int8 input (left operand): only weights are quantized")
@@ -130,3 +168,19 @@ def _int8_matmul_reduce_scatter_dispatch(func, types, args, kwargs):
     _require_int8_weights(a, [b], "matmul_reduce_scatter")
     overlap.check_matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op)
     return torch.ops.torch_tp.int8_matmul_reduce_scatter(a, b.qdata, b.scale, scatter_dim, group_name, reduce_op)
+
+
+@implements(torch.ops.torch_tp.int8_all_gather_matmul.default)
+def _int8_tokens_int8_matmul(func, types, args, kwargs):
+    a_shard, bs, gather_dim, group_name = _arguments(func, args, kwargs)
+    _require_int8_weights(a_shard, bs, "int8_all_gather_matmul")
+    return torch.ops.torch_tp.int8_all_gather_int8_matmul(
+        a_shard, [b.qdata for b in bs], [b.scale for b in bs], gather_dim, group_name
+    )
+
+
+@implements(torch.ops.torch_tp.matmul_int8_reduce_scatter.default)
+def _int8_matmul_int8_partials(func, types, args, kwargs):
+    a, b, scatter_dim, group_name = _arguments(func, args, kwargs)
+    _require_int8_weights(a, [b], "matmul_int8_reduce_scatter")
+    return torch.ops.torch_tp.int8_matmul_int8_reduce_scatter(a, b.qdata, b.scale, scatter_dim, group_name)

@@ -84,12 +84,13 @@ def small_llama(*, seed: int | None = None, **overrides: Any) -> nn.Module:
     return Transformer(small_llama_args(**overrides))
 
 
-def quantize_weights(model: nn.Module, *, embeddings: bool = True) -> nn.Module:
+def quantize_weights(model: nn.Module, *, embeddings: bool = True, activations: str = "float") -> nn.Module:
     """Quantize every ``nn.Linear`` (and ``nn.Embedding``) weight of ``model`` to int8, in place.
 
     ``torchao.quantize_`` with :class:`torch_tp.quant.Int8SymmetricWeightConfig` and a
-    filter on the module type; ``model`` itself is quantized when it matches. Returns
-    ``model``.
+    filter on the module type; ``model`` itself is quantized when it matches.
+    ``activations="int8"`` makes the weights W8A8 (the activations quantized per token too).
+    Returns ``model``.
 
     Example::
 
@@ -104,7 +105,8 @@ def quantize_weights(model: nn.Module, *, embeddings: bool = True) -> nn.Module:
     from torchao import quantize_
 
     kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
-    quantize_(model, Int8SymmetricWeightConfig(), filter_fn=lambda module, fqn: isinstance(module, kinds))
+    quantize_(model, Int8SymmetricWeightConfig(activations=activations),
+              filter_fn=lambda module, fqn: isinstance(module, kinds))
     return model
 
 

@@ -45,14 +45,16 @@ def full_tensors(values: Iterable[torch.Tensor | None]) -> list[torch.Tensor | N
     all-reduce per tensor. DTensors on a 1-D mesh placed ``Shard(d)``, ``Replicate()`` or
     ``Partial("sum"/"avg")`` are made whole from one all-gather of their local pieces (a
     ``Shard(d)`` piece's size follows ``torch.chunk``, as DTensor's own split does); any other
-    DTensor (2-D meshes, strided shards) through its own ``full_tensor()``. ``None`` stays ``None``.
+    DTensor (2-D meshes, strided shards) through its own ``full_tensor()``. A quantized weight
+    (int8 ``qdata`` and scales) comes back as the float values it stands for (each rank's piece
+    dequantized, then gathered). ``None`` stays ``None``.
 
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
         >>> weight, grad = full_tensors([model.w.weight, model.w.weight.grad])
     """
-    values = list(values)
+    values = [_dequantized(value) for value in values]
     out: list[torch.Tensor | None] = [None] * len(values)
     batched: dict[tuple, list[int]] = {}
     for i, value in enumerate(values):
@@ -165,6 +167,20 @@ def assert_params_and_grads_match(
         if params:
             torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}")
         torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}grad of {name}: {m}")
+
+
+def _dequantized(value: torch.Tensor | None) -> torch.Tensor | None:
+    """A quantized weight (``torch_tp.quant``'s int8 tensors, or a DTensor of them) as the float
+    values it stands for; anything else as it is."""
+    def quantized(tensor):
+        return isinstance(getattr(tensor, "qdata", None), torch.Tensor)
+
+    if isinstance(value, DTensor) and quantized(value.to_local()):
+        return DTensor.from_local(value.to_local().dequantize(), value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    if not isinstance(value, DTensor) and quantized(value):
+        return value.dequantize()
+    return value
 
 
 def assert_training_step_matches(
@@ -280,8 +296,11 @@ def _training_step(module, reference, inputs, targets, loss_fn, *, rtol, atol, p
     torch.testing.assert_close(
         _full(loss), _full(expected_loss), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}loss: {m}"
     )
-    loss.backward()
-    ref_loss.backward()
+    trainable = (_full(loss).requires_grad, ref_loss.requires_grad)
+    assert trainable[0] == trainable[1], f"{prefix}loss: requires_grad {trainable[0]}, one process's {trainable[1]}"
+    if trainable[1]:  # (a model with nothing to train, e.g. only int8 weights: outputs and losses compared)
+        loss.backward()
+        ref_loss.backward()
     assert_params_and_grads_match(module, reference, rtol=rtol, atol=atol, params=params, what=what)
     return loss, out, ref_out
 
