@@ -99,9 +99,9 @@ def _compiled_matches_eager(quantized, overlap):
 
 @pytest.mark.parametrize("quantized, overlap", [
     (False, False), (True, False), (False, True), (True, True), (True, "int8 comm"),
-    (False, "int8 comm overlap"),  # (the int8 ring multiplies float weights only)
+    (False, "int8 comm overlap"), (True, "int8 comm overlap"),
 ], ids=["float32-unfused", "int8-unfused", "float32-overlap", "int8-overlap", "int8-int8 comm",
-        "float32-int8 comm overlap"])
+        "float32-int8 comm overlap", "int8-int8 comm overlap"])
 @on_ranks(2)
 def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(quantized, overlap):
     nodes = _compiled_matches_eager(quantized, overlap)
@@ -115,6 +115,15 @@ def test_compiled_tp_sp_llama_matches_eager_with_no_graph_break(quantized, overl
         gathers, scatters = nodes.count("torch_tp.int8_all_gather.default"), nodes.count("torch_tp.int8_reduce_scatter.default")
         assert (gathers, scatters) == (3 + (2 if quantized else 3), 3 + 3), nodes
         assert len(nodes) == gathers + scatters, nodes
+        return
+    if overlap == "int8 comm overlap" and quantized:  # int8 tokens on the ring, int8 weights multiplied:
+        # the weights are flattened into the int8-weight ops; forward 3 gathers, 2 scatters (and the
+        # embedding's int8 reduce-scatter), backward 2 gathers and 3 reduce-scatters; the frozen
+        # int8 embedding takes no gradient (no int8_all_gather back to it)
+        assert nodes.count("torch_tp.int8_all_gather_int8_matmul.default") == 3 + 2, nodes
+        assert nodes.count("torch_tp.int8_matmul_int8_reduce_scatter.default") == 2, nodes
+        assert nodes.count("torch_tp.int8_reduce_scatter.default") == 1 + 3, nodes
+        assert len(nodes) == 5 + 2 + 4, nodes
         return
     if overlap == "int8 comm overlap":  # the fused ops, moving int8: forward 3 gathers, 2 scatters
         # (the embedding's own int8 reduce-scatter too); backward each one's gradient through the other
