@@ -90,7 +90,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torch_tp.conv import conv_windows, halo_bytes, halo_overlap, sharded_convolution
-from torch_tp.conv import halo as halo_module
+from torch_tp.conv import _halo_exchange
 from torch_tp.launch import rank_device
 from torch_tp.testing import record_p2p, sent_bytes
 
@@ -232,7 +232,7 @@ class WaitClock:
     """Seconds spent blocked on halo exchanges: the forward's halos and, in the backward, the
     strip exchanged again and the halo gradients sent back (every ``wait`` of an exchange)."""
 
-    CLASSES = (halo_module._HalosInFlight, halo_module._GradientsInFlight)
+    CLASSES = (_halo_exchange.HalosInFlight, _halo_exchange.GradientsInFlight)
 
     def __init__(self) -> None:
         self.seconds = 0.0

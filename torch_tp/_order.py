@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-#: attribute set on a module whose forward ``checkpoint_by_pattern`` wrapped
-CHECKPOINTED = "_torch_tp_checkpointed"
+from torch_tp._module_state import ensure_state, state_of
+
+__all__ = ["mark_checkpointed", "require_before"]
 
 _ORDER = "parallelize_module (TP), then checkpoint_by_pattern, then fully_shard_by_pattern (FSDP)"
 
@@ -22,9 +23,23 @@ _ORDER = "parallelize_module (TP), then checkpoint_by_pattern, then fully_shard_
 def _stage_of(module: nn.Module) -> str | None:
     if isinstance(module, FSDPModule):
         return "fully_shard"
-    if getattr(module, CHECKPOINTED, False):
+    state = state_of(module)
+    if state is not None and state.checkpointed:
         return "checkpoint_by_pattern"
     return None
+
+
+def mark_checkpointed(module: nn.Module) -> None:
+    """Record that ``checkpoint_by_pattern`` wrapped ``module``'s forward (its ``ModuleState``).
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> mark_checkpointed(layer)
+        >>> _stage_of(layer)
+        'checkpoint_by_pattern'
+    """
+    ensure_state(module).checkpointed = True
 
 
 def require_before(root: nn.Module, caller: str, later: tuple[str, ...]) -> None:

@@ -17,12 +17,15 @@ the loss curves match; finally print each rank's parameter bytes, its memory (pa
 gradients, optimizer state, activations saved for backward, measured) and the collectives
 of one training step, and the two lines that tell runs apart: ``final loss:`` and ``final
 parameters sha256:`` (of the whole parameters, in name order: equal for equal parameters on
-any mesh).
+any mesh). Bytes per rank are printed once, in bytes, measured beside the plan's prediction (the
+plan's table leaves its own total out).
 
 With ``--checkpoint-dir DIR`` it saves the model, the optimizer, the step and the data position
 every ``--checkpoint-every`` steps (:func:`torch_tp.checkpoint.save_training_state`: a
-checkpoint appears only once complete) and, on start, resumes from the newest complete one in
-DIR, on any mesh: the model's sizes and the sequence length are the checkpoint's. A run killed
+checkpoint appears only once complete), printing each one's path and step, and keeps the newest
+``--keep`` (default 2) of those it saved, deleting its own older ones (never a checkpoint it did
+not write in this run); on start, it resumes from the newest complete one in DIR, on any mesh:
+the model's sizes and the sequence length are the checkpoint's. A run killed
 at any moment and started again (by hand, or by ``torchrun --max-restarts``) ends with the
 parameters of the run that was never killed::
 
@@ -34,6 +37,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
+import pathlib
+import shutil
 import sys
 
 import torch
@@ -63,6 +69,8 @@ __all__ = ["main"]
 
 SEED = 0
 LOSS_RTOL = 1e-3
+#: --keep's default: the newest checkpoints of a run left in --checkpoint-dir
+KEEP = 2
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -88,9 +96,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint-every", type=int, default=5, metavar="K",
         help="with --checkpoint-dir: save after every K steps (default 5)",
     )
+    parser.add_argument(
+        "--keep", type=int, default=KEEP, metavar="N",
+        help=f"with --checkpoint-dir: keep the newest N checkpoints this run saved, deleting its older ones "
+             f"(default {KEEP}); checkpoints it did not save in this run are never deleted",
+    )
     options = parser.parse_args(argv)
     if options.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
+    if options.keep < 1:
+        parser.error(f"--keep must be at least 1 (the checkpoint just saved), got {options.keep}")
     if options.overlap and options.no_sequence_parallel:
         parser.error("--overlap fuses the sequence-parallel collectives; drop --no-sequence-parallel")
     if options.dp < 1:
@@ -264,6 +279,53 @@ def _compare(losses: list[float], ref_losses: list[float]) -> float:
     return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)), default=0.0)
 
 
+def _plan_table(report) -> str:
+    """The plan's table without its total line (``parameter bytes per rank: ... (rank order)``,
+    in KiB): the demo prints the total once, in bytes, measured beside the prediction."""
+    return "\n".join(line for line in str(report).splitlines() if not line.startswith("parameter bytes per rank:"))
+
+
+def _print_line(say, text: str) -> None:
+    """Print ``text`` on a line of its own, also below a progress bar redrawn on a terminal."""
+    say(("\n" if sys.stdout.isatty() else "") + text, flush=True)
+
+
+def _delete_checkpoint(path: pathlib.Path) -> None:
+    """Remove one complete checkpoint: renamed to ``.partial`` first, as
+    ``save_training_state(keep=...)`` does, so one half removed is never loaded."""
+    doomed = path.with_name(path.name + ".partial")
+    shutil.rmtree(doomed, ignore_errors=True)
+    if path.is_dir():
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
+
+
+def _checkpointer(options: argparse.Namespace, model, optimizer, extra_of, say):
+    """``after_step(step, loss)`` for :func:`_train`: every ``--checkpoint-every`` steps, save, print
+    the path and step, and delete this run's checkpoints older than its newest ``--keep``
+    (rank 0 deletes; a checkpoint this run did not save is never touched). Returns it and the
+    list of the lines it printed."""
+    saved: list[pathlib.Path] = []
+    lines: list[str] = []
+
+    def checkpoint(step: int, loss: float) -> None:
+        if options.checkpoint_dir is None or step % options.checkpoint_every:
+            return
+        path = save_training_state(options.checkpoint_dir, step, model, optimizer, extra=extra_of(step, loss))
+        saved[:] = [p for p in saved if p != path] + [path]
+        notes = [f"saved checkpoint {path} (step {step})"]
+        for old in saved[:-options.keep]:
+            if dist.get_rank() == 0:
+                _delete_checkpoint(old)
+            notes.append(f"deleted checkpoint {old} (--keep {options.keep}: this run's newest {options.keep} stay)")
+        del saved[:-options.keep]
+        for note in notes:
+            _print_line(say, f"  {note}")
+        lines.extend(notes)
+
+    return checkpoint, lines
+
+
 def _mesh(world: int, dp: int, device):
     if world % dp:
         raise SystemExit(f"--dp {dp} must divide the {world} ranks (dp x tp)")
@@ -272,7 +334,8 @@ def _mesh(world: int, dp: int, device):
 
 def _run(options: argparse.Namespace) -> dict:
     """The job on every rank (the process group is up); returns what rank 0 printed last: the
-    first step it ran, the losses, the final loss and the parameters' SHA-256."""
+    first step it ran, the losses, the final loss, the parameters' SHA-256 and the lines about
+    the checkpoints it saved and deleted."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     say = print if rank == 0 else (lambda *a, **k: None)
     dp = options.dp
@@ -295,7 +358,7 @@ def _run(options: argparse.Namespace) -> dict:
         report = predict_placements(model, mesh, plan, "layers.*", min_weight_size=MIN_WEIGHT_SIZE)
     else:
         report = explain_plan(model, mesh["tp"], plan)
-    say(report, end="\n\n")
+    say(_plan_table(report), end="\n\n")
     parallelize_module(model, mesh["tp"], plan)
     if dp > 1:
         fully_shard_by_pattern(model, mesh, "layers.*", min_weight_size=MIN_WEIGHT_SIZE)
@@ -309,11 +372,11 @@ def _run(options: argparse.Namespace) -> dict:
             start, last_loss = state.extra["data_position"], state.extra["last_loss"]
             say(f"resumed from {state.path} after step {state.step} (saved on {state.extra['layout']})\n")
 
-    def checkpoint(step: int, loss: float) -> None:
-        if options.checkpoint_dir is not None and step % options.checkpoint_every == 0:
-            extra = {"data_position": step, "last_loss": loss, "model_args": dataclasses.asdict(args),
-                     "seq_len": seq_len, "layout": f"{world} ranks, dp {dp} x tp {tp}"}
-            save_training_state(options.checkpoint_dir, step, model, optimizer, extra=extra)
+    def extra_of(step: int, loss: float) -> dict:
+        return {"data_position": step, "last_loss": loss, "model_args": dataclasses.asdict(args),
+                "seq_len": seq_len, "layout": f"{world} ranks, dp {dp} x tp {tp}"}
+
+    checkpoint, checkpoint_lines = _checkpointer(options, model, optimizer, extra_of, say)
 
     batches = _batches(args, options.steps, seq_len, device)
     dp_rank = mesh["dp"].get_local_rank()
@@ -351,7 +414,8 @@ def _run(options: argparse.Namespace) -> dict:
     say(f"final parameters sha256: {digest}")
     if not ok:
         sys.exit(1)
-    return {"first_step": start + 1, "losses": losses, "final_loss": final_loss, "sha256": digest}
+    return {"first_step": start + 1, "losses": losses, "final_loss": final_loss, "sha256": digest,
+            "checkpoints": checkpoint_lines}
 
 
 def main(argv: list[str] | None = None) -> None:

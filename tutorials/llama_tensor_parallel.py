@@ -10,7 +10,8 @@ or on GPUs (NCCL)::
 
 The flow is the one a model too big for one device needs: build it on ``meta`` (shapes
 only), check the plan with ``explain_plan``, parallelize, let each rank allocate and
-initialize only its shards, train.
+initialize only its shards, train beside the same model in one process: the losses match
+step by step (the last line says whether they do; the exit status is 1 if not).
 """
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import explain_plan, init_parameters, parallelize_module
+from torch_tp._verdict import compare, conclude
 from torch_tp.launch import launch, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
@@ -45,17 +47,24 @@ def main(steps=10):
     init_parameters(model, seed=0)
 
     # 4. Train as usual: every rank sees the same batch; DTensor does the communication.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    #    Beside it, the whole model in one process (each rank has its own copy), from the
+    #    same init_parameters values: the losses must agree step by step.
+    reference = Transformer(args).to(device)
+    init_parameters(reference, seed=0)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, reference)]
     generator = torch.Generator().manual_seed(0)
+    losses, single = [], []
     for step in range(steps):
         tokens = torch.randint(0, args.vocab_size, (4, 16), generator=generator).to(device)
         targets = (5 * tokens + 3) % args.vocab_size  # a learnable mapping
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for m, optimizer, record in zip((model, reference), optimizers, (losses, single)):
+            loss = F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            record.append(loss.item())
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}")
+            print(f"step {step}: loss {losses[-1]:.4f} (single process {single[-1]:.4f})")
 
     # 5. Each rank holds only its shards (and the small replicated norm weights).
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
@@ -64,6 +73,9 @@ def main(steps=10):
     if rank == 0:
         for r, nbytes in enumerate(per_rank):
             print(f"rank {r} holds {nbytes} parameter bytes")
+
+    # 6. The verdict: float32, so only the summation order differs.
+    conclude([compare("loss per step", losses, single, rtol=1e-5, index_name="step")])
 
 
 if __name__ == "__main__":

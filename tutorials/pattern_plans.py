@@ -11,7 +11,8 @@ or on GPUs::
 1. Build a small model with BERT-like module paths.
 2. Parallelize it with a plan whose keys are globs over the full dotted path.
 3. See what a typo in a plan key does: an error naming the closest real paths.
-4. Check the parallel model against the single-process one.
+4. Check the parallel model against the single-process one (the last line says whether they
+   match; the exit status is 1 if not).
 """
 
 import copy
@@ -22,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch_tp._verdict import compare, conclude
 from torch_tp.launch import launch, rank_device
 
 
@@ -89,9 +91,12 @@ def main():
 
     # 3. Same numbers as one process.
     x = torch.randn(2, 5, 16, device=rank_device())
-    diff = (model(x) - reference(x)).abs().max().item()
+    with torch.no_grad():
+        output, single = model(x), reference(x)
+    diff = (output - single).abs().max().item()
     if rank == 0:
         print(f"\nmax |parallel - single process| = {diff:.2e}")
+    conclude([compare("outputs", output, single, atol=1e-5)])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ Three jobs train the zoo Llama (tensor + sequence parallel) with AdamW on the sa
 3. the job that never stopped: steps 1 to 8.
 
 The resumed job ends with the parameters of the one that never stopped, bit for bit: their
-SHA-256 over the whole parameters (gathered from the shards, in name order) is equal.
+SHA-256 over the whole parameters (gathered from the shards, in name order) is equal. The job
+that never stopped also trains the whole model in one process beside it: the last line says
+whether the resumed job has the never-stopped one's parameters and whether those train like one
+process (the exit status is 1 if not).
 """
 
 import hashlib
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import init_parameters, parallelize_module
+from torch_tp._verdict import check, compare, conclude
 from torch_tp.checkpoint import (
     latest_checkpoint,
     load_training_state,
@@ -66,15 +70,38 @@ def _sha256(model):
     return digest.hexdigest()
 
 
-def job(directory, last_step, name):
+def _single_process_losses(last_step):
+    """The whole model in one process (on each rank), from the same init_parameters values."""
+    reference = Transformer(ARGS).to(rank_device())
+    init_parameters(reference, seed=0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    losses = []
+    for step in range(1, last_step + 1):
+        tokens, targets = _batch(step)
+        loss = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def job(directory, last_step, name, digest_file):
+    """Train steps (resumed from ``directory``'s newest checkpoint, if any) to ``last_step``.
+
+    Without ``directory`` (the job that never stopped), compare with the digest the resumed job
+    wrote to ``digest_file`` and with one process, and end with the verdict."""
     model, optimizer = _model_and_optimizer()
     state = load_training_state(directory, model, optimizer) if directory else None
     first = state.step + 1 if state else 1
+    losses = []
     for step in range(first, last_step + 1):
         tokens, targets = _batch(step)
-        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
         if directory and step % EVERY == 0:
             save_training_state(directory, step, model, optimizer, extra={"data_position": step})
     digest = _sha256(model)
@@ -83,16 +110,30 @@ def job(directory, last_step, name):
         kept = f"; newest checkpoint: {latest_checkpoint(directory).name}" if directory else ""
         print(f"{name}: {resumed}trained steps {first}-{last_step}{kept}")
         print(f"  parameters sha256 {digest}")
+    if directory:
+        if dist.get_rank() == 0:
+            with open(digest_file, "w") as f:
+                f.write(digest)
+        return
+    with open(digest_file) as f:  # rank 0 wrote it; every rank runs on this machine
+        resumed_digest = f.read()
+    conclude([
+        check("resumed job's parameters vs the never-stopped job's (SHA-256 digests that differ)",
+              int(resumed_digest != digest), 0),
+        compare("never-stopped job's loss per step", losses, _single_process_losses(last_step),
+                rtol=1e-5, index_name="step"),
+    ])
 
 
 def main():
     # under torchrun every rank runs this file: the directory's name comes from the job's id
     run = os.environ.get("TORCHELASTIC_RUN_ID") if launched_by_torchrun() else None
     directory = os.path.join(tempfile.gettempdir(), f"torch_tp_resume_{run}") if run else tempfile.mkdtemp()
+    digest_file = os.path.join(directory, "resumed.sha256")
     try:
-        launch(job, directory, 5, "job 1 (dies after step 5)", nproc=2)
-        launch(job, directory, STEPS, "job 2 (started again)", nproc=2)
-        launch(job, None, STEPS, "job 3 (never stopped)", nproc=2)
+        launch(job, directory, 5, "job 1 (dies after step 5)", digest_file, nproc=2)
+        launch(job, directory, STEPS, "job 2 (started again)", digest_file, nproc=2)
+        launch(job, None, STEPS, "job 3 (never stopped)", digest_file, nproc=2)
     finally:
         if not launched_by_torchrun() or int(os.environ.get("RANK", "0")) == 0:
             shutil.rmtree(directory, ignore_errors=True)

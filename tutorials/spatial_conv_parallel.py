@@ -8,7 +8,8 @@ or ``torchrun --nproc-per-node 2 tutorials/spatial_conv_parallel.py``.
 
 Each rank holds a vertical strip of the image. A 3x3 convolution near the strip's border
 needs one column from the neighbouring strip, so before each convolution the ranks swap
-just those border columns (the "halo") instead of gathering the whole image.
+just those border columns (the "halo") instead of gathering the whole image. The last line
+says whether training matched one process (the exit status is 1 if not).
 """
 
 import copy
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import SpatialParallel, parallelize_module
+from torch_tp._verdict import compare, conclude
 from torch_tp.conv import conv_windows, halo_bytes
 from torch_tp.launch import launch, rank_device
 
@@ -48,6 +50,7 @@ def main(steps=3):
     #    its output is a DTensor sharded on width, gathered here to compute the same loss.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses, single = [], []
     for step in range(steps):
         image = torch.randn(2, 3, HEIGHT, WIDTH, device=device)
         target = torch.randn(2, 4, HEIGHT // 2, WIDTH // 2, device=device)
@@ -58,8 +61,10 @@ def main(steps=3):
             value.backward()
             opt.step()
             opt.zero_grad()
+        losses.append(loss.item())
+        single.append(ref_loss.item())
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.6f} (single process {ref_loss.item():.6f})")
+            print(f"step {step}: loss {losses[-1]:.6f} (single process {single[-1]:.6f})")
 
     # 3. What crossed the wire for the first convolution: a few columns, not the image.
     windows = conv_windows(WIDTH, world, kernel_size=3, padding=1)
@@ -68,6 +73,9 @@ def main(steps=3):
     if rank == 0:
         print(f"first conv, forward: each rank sends {sent} bytes of halo; "
               f"gathering the input would move {gathered} bytes per rank")
+
+    # 4. The verdict: float32, so only the summation order differs.
+    conclude([compare("loss per step", losses, single, rtol=1e-5, atol=1e-5, index_name="step")])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ One line makes the whole U-Net spatial, in training mode: convolutions swap only
 columns their windows need (the halo), BatchNorm normalizes with the statistics of the whole
 image, pooling, upsampling and skip connections run on the strips, and each rank gets back
 its strip of the per-pixel logits. The loss of the strips sums to the whole image's, so
-training matches one process step for step.
+training matches one process step for step (the last line says whether it did; the exit
+status is 1 if not).
 """
 
 import copy
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import SpatialParallel, parallelize_module
+from torch_tp._verdict import compare, conclude
 from torch_tp.launch import launch, rank_device
 from torch_tp.models.cnn import unet
 
@@ -50,6 +52,7 @@ def main(steps=4):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     pixels = HEIGHT * WIDTH
+    losses, single = [], []
     for step in range(steps):
         image, target = _segmentation_batch(device)
         strip, strip_target = image.chunk(world, dim=3)[rank], target.chunk(world, dim=2)[rank]
@@ -61,14 +64,19 @@ def main(steps=4):
             opt.step()
             opt.zero_grad()
         whole = loss.detach().clone()
-        dist.all_reduce(whole)  # for printing only: the image's loss from the strips'
+        dist.all_reduce(whole)  # for printing and the verdict: the image's loss from the strips'
+        losses.append(whole.item())
+        single.append(ref_loss.item())
         if rank == 0:
-            print(f"step {step}: loss {whole.item():.6f} (single process {ref_loss.item():.6f})")
+            print(f"step {step}: loss {losses[-1]:.6f} (single process {single[-1]:.6f})")
 
     # 3. Each rank held a strip of every activation: the first level's feature maps are
     #    [1, 8, 32, 192 / world] per rank instead of [1, 8, 32, 192].
     if rank == 0:
         print(f"rank 0 logits strip {tuple(logits.shape)} of the image's {(1, CLASSES, HEIGHT, WIDTH)}")
+
+    # 4. The verdict: float32, so summation order (and pooling ties) only.
+    conclude([compare("loss per step", losses, single, rtol=1e-4, atol=1e-4, index_name="step")])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ same tokens, and compares every output, gradient and updated parameter.
 2. Verify the same plan without the norms: the report names them and says what to change.
 3. Verify any parallelization, here upstream's parallelize_module on a tied model: the
    broken tie is flagged.
+
+The last line says whether torch_tp's plan (1.) matches one process and the two wrong ones
+were caught (the exit status is 1 if not).
 """
 
 import functools
@@ -28,6 +31,7 @@ import torch.distributed.tensor.parallel as upstream
 from torch.distributed.device_mesh import init_device_mesh
 
 from torch_tp import verify_plan
+from torch_tp._verdict import check, conclude
 from torch_tp.launch import launch, rank_device
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 
@@ -55,28 +59,35 @@ def main():
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
 
     # 1. The right plan: ReplicateParallel(input_layouts=Shard(2)) on q_norm/k_norm.
-    report = verify_plan(
+    right = verify_plan(
         functools.partial(build, QWEN_LIKE), mesh, tensor_parallel_plan(qk_norm=True), tokens,
-        steps=3, optimizer=adamw,
+        steps=3, optimizer=adamw, raise_on_mismatch=False,
     )
-    show("torch_tp's plan with qk_norm=True", report)
+    show("torch_tp's plan with qk_norm=True", right)
 
     # 2. The norms left out: the first forward is right, their gradients are not (one step
     # shows it; by default verify_plan would go on until no new parameter moves).
-    report = verify_plan(
+    no_norms = verify_plan(
         functools.partial(build, QWEN_LIKE), mesh, tensor_parallel_plan(), tokens,
         steps=1, optimizer=adamw, raise_on_mismatch=False,
     )
-    show("the same plan without the per-head norms", report)
+    show("the same plan without the per-head norms", no_norms)
 
     # 3. Any parallelization is a callable plan(model, mesh) -> model.
     upstream_plan = tensor_parallel_plan(styles=upstream)
-    report = verify_plan(
+    untied = verify_plan(
         functools.partial(build, TIED), mesh,
         lambda model, mesh: upstream.parallelize_module(model, mesh, upstream_plan), tokens,
         optimizer=adamw, raise_on_mismatch=False,
     )
-    show("upstream's parallelize_module on a tied-embedding model", report)
+    show("upstream's parallelize_module on a tied-embedding model", untied)
+
+    # The verdict: the right plan trains like one process (no finding, within verify_plan's
+    # atol/rtol); each wrong one has findings (0 would mean verify_plan missed what it breaks).
+    conclude([
+        check("verify_plan findings for torch_tp's plan", len(right.findings), 0),
+        check("wrong plans verify_plan let through", int(no_norms.ok) + int(untied.ok), 0),
+    ])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch_tp import checkpoint_by_pattern, fully_shard_by_pattern, parallelize_module, save_collectives_and_matmuls
 from torch_tp.models.llama import tensor_parallel_plan
 from torch_tp.quant import Int8SymmetricTensor
-from torch_tp.testing import TOL, full_tensor, mesh_2x2, on_ranks, quantize_weights, small_llama, tp_mesh
+from torch_tp.testing import TOL, assert_trains_like, full_tensor, mesh_2x2, on_ranks, quantize_weights, small_llama, tp_mesh
 
 
 def _int8_llama(seed=0, **overrides):
@@ -37,8 +37,8 @@ def _dim1(param):  # shard every 2-D weight on its columns (the int8 scales broa
     return Shard(1) if param.ndim == 2 else Shard(0)
 
 
-def _float_params(model):
-    return [p for p in model.parameters() if not isinstance(_local(p), Int8SymmetricTensor)]
+def _adamw_on_float(params):
+    return torch.optim.AdamW([p for p in params if not isinstance(_local(p), Int8SymmetricTensor)], lr=1e-2)
 
 
 def _local(param):
@@ -46,28 +46,21 @@ def _local(param):
 
 
 def _train_and_compare(model, reference, steps=3, tol=TOL):
-    opts = [torch.optim.AdamW(_float_params(m), lr=1e-2) for m in (model, reference)]
     gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        tokens = torch.randint(0, 64, (2, 8), generator=gen)
-        logits, ref_logits = model(tokens), reference(tokens)
-        torch.testing.assert_close(logits, ref_logits, **tol, msg=lambda m: f"step {step} logits: {m}")
-        loss, ref_loss = logits.square().mean(), ref_logits.square().mean()
-        loss.backward()
-        ref_loss.backward()
+    batches = ((torch.randint(0, 64, (2, 8), generator=gen), None) for _ in range(steps))
+
+    def int8_weights_frozen_and_unchanged(out, ref_out):
         named = dict(model.named_parameters())
         for name, ref_param in reference.named_parameters():
-            param = named[name]
             if isinstance(ref_param, Int8SymmetricTensor):
+                param = named[name]
                 assert param.grad is None and ref_param.grad is None, name
                 whole = full_tensor(param)
                 assert torch.equal(whole.qdata, ref_param.qdata) and torch.equal(whole.scale, ref_param.scale), name
-            else:
-                torch.testing.assert_close(full_tensor(param.grad), ref_param.grad, **tol,
-                                           msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+
+    # logits, loss and every gradient (the int8 weights': None on both) each step
+    assert_trains_like(model, reference, batches, lambda logits, _: logits.square().mean(), optimizer=_adamw_on_float,
+                       **tol, params=False, check=int8_weights_frozen_and_unchanged)
 
 
 @pytest.mark.parametrize("shard_on", ["rows", "columns"])

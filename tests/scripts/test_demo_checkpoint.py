@@ -54,6 +54,25 @@ def test_a_run_resumed_on_another_mesh_continues_the_loss_curve(uninterrupted, s
     torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][4:], rtol=1e-5, atol=0)
 
 
+def test_a_run_prints_each_checkpoint_and_keeps_its_newest_keep_never_deleting_one_it_did_not_save(tmp_path):
+    first = _run(2, "--steps", "2", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1")
+    assert first["checkpoints"] == [f"saved checkpoint {tmp_path / f'step-0000000{n}'} (step {n})" for n in (1, 2)]
+    resumed = _run(2, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1")  # --keep 2
+    assert resumed["first_step"] == 3
+    assert resumed["checkpoints"] == [
+        *(f"saved checkpoint {tmp_path / f'step-0000000{n}'} (step {n})" for n in (3, 4)),
+        f"saved checkpoint {tmp_path / 'step-00000005'} (step 5)",
+        f"deleted checkpoint {tmp_path / 'step-00000003'} (--keep 2: this run's newest 2 stay)",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-0000000{n}" for n in (1, 2, 4, 5)]  # 1, 2: the first run's
+
+
+def test_keep_below_one_is_refused_with_the_option_named(capsys):
+    with pytest.raises(SystemExit):
+        demo._parse(["--keep", "0"])
+    assert "--keep must be at least 1 (the checkpoint just saved), got 0" in capsys.readouterr().err
+
+
 def _listing(directory):
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*")}
 

@@ -28,3 +28,6 @@ def test_derive_tutorial_derives_verifies_and_trains_like_one_process():
     losses = re.findall(r"^step \d: loss ([\d.]+) \(one process: ([\d.]+)\)$", rest, re.M)
     assert len(losses) == 5 and all(abs(float(a) - float(b)) < 1e-5 for a, b in losses), rest
     assert "trains like one process: largest loss difference" in rest
+    verdict = re.fullmatch(r"matches one process \(loss per step: largest difference (\S+), tolerance 1e-05\)",
+                           out.rstrip().splitlines()[-1])  # the last line, and the only verdict
+    assert verdict and float(verdict.group(1)) < 1e-5 and len(re.findall("match(es)? one process", out)) == 1, out

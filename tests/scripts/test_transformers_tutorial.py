@@ -5,18 +5,35 @@ import re
 
 import pytest
 
-from torch_tp.testing import ScriptRun
+from torch_tp.testing import ScriptRun, run_script
 
 # a subprocess run of seconds: `pytest -m "not slow"` leaves it out
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the test extra)"),
-]
+pytestmark = pytest.mark.slow
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (the test extra)"
+)
 
 
 TUTORIAL = ScriptRun("tutorials/transformers_tensor_parallel.py")
+# the tutorial where transformers is not installed: None in sys.modules makes its import fail
+WITHOUT_TRANSFORMERS = (
+    "-c",
+    "import runpy, sys; sys.modules['transformers'] = None; "
+    "runpy.run_path('tutorials/transformers_tensor_parallel.py', run_name='__main__')",
+)
 
 
+def test_without_transformers_the_tutorial_says_how_to_install_it_and_exits_1():
+    result = run_script(*WITHOUT_TRANSFORMERS, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tutorials/transformers_tensor_parallel.py needs the transformers package (import of transformers halted; "
+        "None in sys.modules); install torch_tp's transformers extra from the checkout: "
+        'pip install -e ".[transformers]"'
+    ), result.stderr
+
+
+@needs_transformers
 @pytest.mark.script_runs(TUTORIAL)
 def test_transformers_tutorial_trains_like_one_process_passes_verify_plan_and_generates_its_tokens():
     out = TUTORIAL.result().stdout
@@ -34,3 +51,9 @@ def test_transformers_tutorial_trains_like_one_process_passes_verify_plan_and_ge
     ), out
     ours, theirs = re.search(r"^greedy tokens: (\[[\d, ]+\]) \(single process (\[[\d, ]+\])\)$", out, flags=re.M).groups()
     assert ours == theirs and len(ours.split(",")) == 5 + 8, out
+    verdict = re.fullmatch(
+        r"matches one process \(loss per step: largest difference (\S+), tolerance 0\.0001; verify_plan findings: "
+        r"largest difference 0\.0e\+00, tolerance exact; greedy tokens: largest difference 0\.0e\+00, tolerance exact\)",
+        out.rstrip().splitlines()[-1],
+    )
+    assert verdict and float(verdict.group(1)) <= 1e-4, out

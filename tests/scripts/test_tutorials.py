@@ -1,4 +1,6 @@
-"""The tutorials and the main job run as users run them, and print what they promise."""
+"""The tutorials and the main job run as users run them, and print what they promise: each
+tutorial ends with its verdict line against one process (``torch_tp._verdict``; its mismatch
+path: ``tests/scripts/test_verdict.py``)."""
 
 import re
 
@@ -21,6 +23,17 @@ SPATIAL_UNET_TUTORIAL = ScriptRun("tutorials/spatial_unet.py")
 FSDP_TP_TUTORIAL = ScriptRun("tutorials/fsdp_tp_2d.py")
 RESUME_TUTORIAL = ScriptRun("tutorials/resume_training.py")
 
+G = r"(\S+)"  # a number in a verdict line
+
+
+def _verdict(out: str, pattern: str) -> list[float]:
+    """The one verdict line, last, matching ``pattern``; returns its numbers (the differences)."""
+    assert len(re.findall(r"match(es)? one process", out)) == 1, out
+    last = out.rstrip().splitlines()[-1]
+    found = re.fullmatch(r"matches one process \(" + pattern + r"\)", last)
+    assert found, out
+    return [float(g) for g in found.groups()]
+
 
 @pytest.mark.script_runs(PATTERN_PLANS)
 def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error():
@@ -29,6 +42,8 @@ def test_pattern_plans_tutorial_matches_single_process_and_shows_the_typo_error(
     assert "layer.0.self.out.weight      (Shard(dim=1),)" in out
     diff = float(re.search(r"max \|parallel - single process\| = (\S+)", out).group(1))
     assert diff < 1e-5, out
+    (largest,) = _verdict(out, rf"outputs: largest difference {G}, tolerance 1e-05")
+    assert largest < 1e-5, out
 
 
 @pytest.mark.script_runs(MAIN_JOB)
@@ -40,6 +55,7 @@ def test_main_job_explains_trains_with_progress_and_matches_single_process():
     assert re.search(r"^parameter +style +global +placement", out, flags=re.M)
     assert "layers.1.feed_forward.w2.weight  RowwiseParallel" in out
     assert "[##############################]  30/30 loss" in out  # the progress bar, finished
+    assert out.count("parameter bytes per rank") == 1 and "(rank order)" not in out, out  # once, in bytes
     worst = float(re.search(r"max relative difference (\S+) over 30 steps", out).group(1))
     assert "loss curve matches the single-process run" in out and worst <= 1e-3, out
     first, last = map(float, re.search(r"loss (\S+) -> (\S+);", out).groups())
@@ -50,11 +66,15 @@ def test_main_job_explains_trains_with_progress_and_matches_single_process():
 
 
 @pytest.mark.script_runs(LLAMA_TUTORIAL)
-def test_llama_tutorial_runs_from_meta_device_to_training():
+def test_llama_tutorial_runs_from_meta_device_to_training_like_one_process():
     out = LLAMA_TUTORIAL.result().stdout
     assert "output.weight" in out and "step 9: loss" in out
     losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", out)]
     assert len(losses) == 10 and losses[-1] < losses[0]
+    pairs = re.findall(r"^step \d+: loss (\S+) \(single process (\S+)\)$", out, flags=re.M)
+    assert len(pairs) == 10 and all(abs(float(a) - float(b)) <= 1e-4 for a, b in pairs), out  # 4 decimals
+    (largest,) = _verdict(out, rf"loss per step: largest difference {G}, tolerance 1e-05 relative")
+    assert largest <= 1e-5 * max(losses), out
     held = {int(n) for n in re.findall(r"rank \d holds (\d+) parameter bytes", out)}
     assert len(held) == 1
 
@@ -62,6 +82,8 @@ def test_llama_tutorial_runs_from_meta_device_to_training():
 @pytest.mark.script_runs(INT8_TUTORIAL)
 def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
     out = INT8_TUTORIAL.result().stdout
+    assert "compiling the sharded int8 model (fullgraph=True) with inductor (the first compile can take minutes)" in out
+    assert re.search(r"^compiled in \d+\.\d s$", out, flags=re.M), out
     errors = re.findall(
         r"rank \d: vs float model (\S+), vs unsharded int8 model (\S+), compiled vs eager (\S+)$", out, flags=re.M
     )
@@ -73,6 +95,10 @@ def test_int8_tutorial_shards_int8_weights_matches_unsharded_and_compiles():
     assert len(held) == 2, out
     for nbytes, as_float32 in held:
         assert 0 < int(nbytes) <= 0.3 * int(as_float32), out  # int8 + one scale per row: ~1/4
+    unsharded, compiled = _verdict(
+        out, rf"logits vs the unsharded int8 model \(relative error\): largest difference {G}, tolerance 1e-05; "
+             rf"compiled logits vs eager \(relative error\): largest difference {G}, tolerance 1e-05")
+    assert unsharded <= 1e-5 and compiled <= 1e-5, out
 
 
 @pytest.mark.script_runs(MAIN_JOB_TORCHRUN_OVERLAP)
@@ -103,6 +129,7 @@ def test_spatial_conv_tutorial_trains_like_one_process_and_sends_only_halos():
     halo_left, halo_right, gathered = map(int, sent.groups())
     assert halo_left == halo_right == 2 * 3 * 16 * 4  # one column of a 2x3x16 image per edge
     assert gathered > 40 * halo_left
+    _verdict(out, rf"loss per step: largest difference {G}, tolerance 1e-05 \+ 1e-05 x \|one process\|")
 
 
 @pytest.mark.script_runs(SPATIAL_UNET_TUTORIAL)
@@ -113,6 +140,7 @@ def test_spatial_unet_tutorial_segments_on_strips_like_one_process():
     for sharded, single in pairs:  # float32: summation order (and pooling ties) only
         assert abs(float(sharded) - float(single)) <= 1e-4 * max(1.0, abs(float(single)))
     assert "rank 0 logits strip (1, 3, 32, 96) of the image's (1, 3, 32, 192)" in out
+    _verdict(out, rf"loss per step: largest difference {G}, tolerance 0.0001 \+ 0.0001 x \|one process\|")
 
 
 @pytest.mark.script_runs(FSDP_TP_TUTORIAL)
@@ -125,6 +153,7 @@ def test_fsdp_tp_2d_tutorial_predicts_the_bytes_it_holds_and_trains_like_one_pro
     assert len(pairs) == 3, out
     for sharded, single in pairs:  # float32: summation order only
         assert abs(float(sharded) - float(single)) <= 1e-5 * max(1.0, abs(float(single))), (sharded, single)
+    _verdict(out, rf"loss per step: largest difference {G}, tolerance 1e-05 \+ 1e-05 x \|one process\|")
 
 
 @pytest.mark.script_runs(RESUME_TUTORIAL)
@@ -135,3 +164,8 @@ def test_resume_tutorial_ends_with_the_parameters_of_the_job_that_never_stopped(
     assert "job 3 (never stopped): trained steps 1-8" in out, out
     digests = re.findall(r"parameters sha256 ([0-9a-f]{64})$", out, flags=re.M)
     assert len(digests) == 3 and digests[1] == digests[2] != digests[0], out
+    differing, largest = _verdict(
+        out, rf"resumed job's parameters vs the never-stopped job's \(SHA-256 digests that differ\): largest "
+             rf"difference {G}, tolerance exact; never-stopped job's loss per step: largest difference {G}, "
+             r"tolerance 1e-05 relative")
+    assert differing == 0 and largest <= 1e-4, out

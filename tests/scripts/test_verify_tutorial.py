@@ -25,3 +25,8 @@ def test_verify_plan_tutorial_passes_the_right_plan_and_names_what_the_wrong_one
     assert "ReplicateParallel(input_layouts=Shard(2))" in no_norms
     assert re.search(r"model +tie broken +output\.weight .* is tok_embeddings\.weight in the single-process model", untied)
     assert re.search(r"step 0 +gradient +output\.weight", untied)
+    assert out.rstrip().splitlines()[-1] == (  # the right plan has no finding; each wrong one has some
+        "matches one process (verify_plan findings for torch_tp's plan: largest difference 0.0e+00, tolerance exact; "
+        "wrong plans verify_plan let through: largest difference 0.0e+00, tolerance exact)"
+    ), out
+    assert out.count("match one process") + out.count("matches one process") == 1, out

@@ -7,6 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import ColwiseParallel, RowwiseParallel, explain_plan, parallelize_module
+from torch_tp._module_state import state_of
 from torch_tp.models.llama import ModelArgs, Transformer, tensor_parallel_plan
 from torch_tp.tools.explain import shard_sizes
 from torch_tp.parallel.plan import resolve_plan
@@ -23,7 +24,7 @@ def _meta_model():
 
 def _state(model):
     return [(n, p.device.type, type(p), tuple(p.shape)) for n, p in model.named_parameters()], [
-        (len(m._forward_hooks), len(m._forward_pre_hooks), hasattr(m, "_torch_tp_applied")) for m in model.modules()
+        (len(m._forward_hooks), len(m._forward_pre_hooks), state_of(m) is not None) for m in model.modules()
     ]
 
 

@@ -9,6 +9,7 @@ says, and misuse raises errors naming the pattern, the mesh dim or the right ord
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -34,6 +35,7 @@ from torch_tp.models.llama import Transformer, tensor_parallel_plan
 from torch_tp.testing import (
     TOL,
     assert_params_and_grads_match,
+    assert_trains_like,
     full_tensor,
     mesh_2x2,
     on_ranks,
@@ -66,30 +68,24 @@ def _two_d_llama(mesh, *, sequence_parallel, checkpoint, tie_embeddings=False):
 
 
 def _train_and_compare(model, reference, dp_mesh, steps=3):
-    """Each dp rank runs its slice of the batch; the dp-average loss and all grads match the reference."""
+    """Each dp rank runs its slice of the batch; its logits and loss, and all grads, match the reference's."""
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps + 1):
-        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, 8))
-        targets = torch.randint(0, ARGS.vocab_size, (BATCH, 8))
-        loss = _loss(model(tokens[rows]), targets[rows])
-        loss.backward()
-        ref_loss = _loss(reference(tokens), targets)
-        ref_loss.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp_mesh.get_group())
-        torch.testing.assert_close(mean / dp, ref_loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
-        assert_params_and_grads_match(model, reference, rtol=TOL["rtol"], atol=TOL["atol"], params=False, what=f"step {step}")
-        assert_params_and_grads_match(model, reference, **STEP_TOL, what=f"step {step}")
-        losses.append(ref_loss.item())
-        if step < steps:
-            optimizer.step()
-            ref_optimizer.step()
-            optimizer.zero_grad()
-            ref_optimizer.zero_grad()
+    batches = ((torch.randint(0, ARGS.vocab_size, (BATCH, 8)), torch.randint(0, ARGS.vocab_size, (BATCH, 8)))
+               for _ in range(steps + 1))
+    step = iter(range(steps + 1))
+
+    def loss_fn(logits, targets):  # the model's logits are this dp rank's rows only
+        return _loss(logits, targets if len(logits) == BATCH else targets[rows])
+
+    def params_within_step_tol(out, ref_out):
+        assert_params_and_grads_match(model, reference, **STEP_TOL, what=f"step {next(step)}")
+
+    # each dp rank's logits and loss on its rows equal the reference's on them (so their dp mean is the
+    # whole batch's loss); gradients at TOL, parameters at STEP_TOL
+    losses = assert_trains_like(model, reference, batches, loss_fn, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                                **TOL, params=False, module_inputs=lambda tokens: tokens[rows],
+                                expected_output=lambda logits: logits[rows], check=params_within_step_tol)
     assert losses[0] != losses[-1]
 
 
@@ -270,17 +266,10 @@ def test_odd_shapes_shard_as_predicted_and_train_like_one_process():
     parallelize_module(model, mesh["tp"], _ODD_PLAN)
     with pytest.warns(UserWarning, match=r"down\.bias: no divisible dim"):
         fully_shard_by_pattern(model, mesh, ["mix", "up"], min_weight_size=4)
-    dp_rank = mesh["dp"].get_local_rank()
-    for step in range(2):
-        x = torch.randn(4, 5)
-        model(x[2 * dp_rank : 2 * dp_rank + 2]).square().mean().backward()
-        reference(x).square().mean().backward()
-        assert_params_and_grads_match(model, reference, **TOL, what=f"step {step}")
-        for module in (model, reference):
-            with torch.no_grad():
-                for p in module.parameters():
-                    p -= 0.1 * p.grad
-                    p.grad = None
+    rows = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    batches = ((torch.randn(4, 5), None) for _ in range(2))
+    assert_trains_like(model, reference, batches, lambda y, _: y.square().mean(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                       **TOL, module_inputs=lambda x: x[rows], expected_output=lambda y: y[rows])
 
 
 @on_ranks(4)

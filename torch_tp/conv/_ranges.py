@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torch_tp.conv.halo import _run_p2p
+from torch_tp.conv._halo_exchange import run_p2p
 
 __all__: list[str] = []
 
@@ -93,7 +93,7 @@ def _move(src: torch.Tensor, src_start: int, dst: torch.Tensor, dst_start: int, 
             index = None if r_picks is None else _index(r_picks, dst_start, dst)
             received.append((r0 - dst_start, index, _slices(src, dim, r1 - r0 if index is None else len(index))))
             ops.append(dist.P2POp(dist.irecv, received[-1][2], peer=peer, group=rg.group))
-    _run_p2p(ops)
+    run_p2p(ops)
     for at, index, buf in received:
         _combine(dst, dim, at, buf, index, add)
     return dst

@@ -15,184 +15,32 @@ handlers do), only the positions the receiver's taps read travel (the window's
 ``recv_picks`` / ``send_picks``: with stride or dilation > 1 a border block can have columns
 no tap reads); the received halo keeps its contiguous layout, with zeros at the positions
 left out, and the backward returns the gradients of the picked positions only.
+
+This module is the public, autograd-level exchange: it checks a user's counts and wraps the
+plain-tensor forward and adjoint of :mod:`torch_tp.conv._halo_exchange` (the private API the
+handlers use directly, with its own table) in one autograd ``Function``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from torch_tp.conv._geometry import ShardWindow
+from torch_tp.conv._halo_exchange import (
+    Count,
+    Neighbours,
+    Picks,
+    exchange_backward,
+    exchange_forward,
+    per_hop,
+    picks_of,
+    resolve_neighbours,
+)
 
 __all__ = ["halo_bytes", "halo_exchange"]
-
-Count = Union[int, Sequence[int]]  # slices, or slices per hop (nearest rank first)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Neighbours:
-    """Where this rank sits on the exchanging group: its position and its peers' global ranks."""
-
-    group: Any  # ProcessGroup
-    position: int
-    size: int
-    left: Optional[int]
-    right: Optional[int]
-
-    def peer(self, offset: int) -> int:
-        """Global rank of the rank ``offset`` positions away on the group (``-1``: left)."""
-        if offset == -1 and self.left is not None:
-            return self.left
-        if offset == 1 and self.right is not None:
-            return self.right
-        return dist.get_global_rank(self.group, self.position + offset)
-
-
-def _resolve_neighbours(group: Any, mesh: Any, mesh_dim: Any) -> _Neighbours:
-    """The group to exchange on, from ``group=`` or from ``mesh=`` + ``mesh_dim=``.
-
-    On a mesh the position is the rank's coordinate on ``mesh_dim`` (never its global rank),
-    so the exchange stays inside the mesh dim's sub-group on a 2-D mesh.
-    """
-    if (group is None) == (mesh is None):
-        raise ValueError("halo_exchange needs exactly one of group= or mesh= (with mesh_dim=)")
-    if mesh is not None:
-        if mesh_dim is None:
-            if mesh.ndim != 1:
-                raise ValueError(f"halo_exchange on a {mesh.ndim}-D mesh needs mesh_dim= (a name or index)")
-            mesh_dim = 0
-        group = mesh.get_group(mesh_dim)
-        position = mesh.get_local_rank(mesh_dim)
-        assert position == dist.get_rank(group), "mesh coordinate and sub-group rank disagree"
-    else:
-        if mesh_dim is not None:
-            raise ValueError("mesh_dim= goes with mesh=; with group= the group itself is the dim")
-        position = dist.get_rank(group)
-        if position < 0:
-            raise ValueError(
-                f"global rank {dist.get_rank()} is not a member of the group passed to halo_exchange"
-            )
-    size = dist.get_world_size(group)
-    left = dist.get_global_rank(group, position - 1) if position > 0 else None
-    right = dist.get_global_rank(group, position + 1) if position + 1 < size else None
-    return _Neighbours(group, position, size, left, right)
-
-
-def _transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> None:
-    """One batch of P2P ops: ``sends[o]`` goes to, and ``recvs[o]`` is filled from, the rank
-    ``o`` positions away (negative: left), waited for."""
-    _start_transfer(sends, recvs, nb).wait()
-
-
-@dataclasses.dataclass
-class _Transfer:
-    """A started batch of P2P ops: its works, and every tensor they read or fill. The tensors
-    are kept alive until :meth:`wait`: a send may read its buffer after ``batch_isend_irecv``
-    has returned (gloo does), and a temporary freed earlier would be reused by the compute
-    running meanwhile (found as wrong gradients, before this class held them)."""
-
-    works: list
-    tensors: list
-
-    def wait(self) -> None:
-        """Wait for every op (again: no-op), then let the tensors go."""
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        self.tensors.clear()
-
-
-@contextlib.contextmanager
-def _settled_on_error(flights: list) -> Iterator[list]:
-    """Yield ``flights``, a list to put started exchanges (``_HalosInFlight`` /
-    ``_GradientsInFlight``) in; if the code inside raises, wait for them before the error
-    propagates. An exchange left in flight would have the backend write into buffers Python
-    frees with the failing frame (heap corruption, seen later and elsewhere). Every rank
-    started the same exchanges before its local compute, so the wait completes."""
-    try:
-        yield flights
-    except BaseException:
-        for flight in flights:
-            flight.transfer.wait()
-        raise
-
-
-def _start_transfer(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], nb: _Neighbours) -> _Transfer:
-    """:func:`_transfer` without the wait (``recvs`` are filled once it is done). Empty
-    tensors are skipped; the ops are ordered by distance, left before right, send before
-    receive (one hop: the neighbours' pattern)."""
-    ops = []
-    for offset in sorted(set(sends) | set(recvs), key=lambda o: (abs(o), o > 0)):
-        for op, tensor in ((dist.isend, sends.get(offset)), (dist.irecv, recvs.get(offset))):
-            if tensor is not None and tensor.numel():
-                ops.append(dist.P2POp(op, tensor, peer=nb.peer(offset), group=nb.group))
-    return _Transfer(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops])
-
-
-def _run_p2p(ops: list) -> None:
-    """Issue ``ops`` (``dist.P2POp``) as one batch and wait for all of them."""
-    _Transfer(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops]).wait()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Picks:
-    """The slices of each halo piece that travel, keyed by hop offset (``-1 - h``: the rank
-    ``h + 1`` to the left; ``1 + h``: to the right); a piece without an entry travels whole.
-
-    ``send[o]`` indexes the own shard (0 is its first slice), ``recv[o]`` the received piece
-    (0 is its first slice, the farthest from the own shard on the left).
-    """
-
-    send: dict
-    recv: dict
-
-
-@functools.lru_cache(maxsize=256)
-def _picks_of(window: Optional[ShardWindow]) -> Optional[_Picks]:
-    """The window's ``recv_picks`` / ``send_picks`` as :class:`_Picks` (``None``: all dense).
-
-    Example:
-        >>> from torch_tp.conv import conv_windows
-        >>> _picks_of(conv_windows(16, 2, kernel_size=5, stride=2, dilation=2, padding=4)[1])
-        _Picks(send={-1: (0, 2)}, recv={-1: (0, 2)})
-        >>> _picks_of(conv_windows(16, 2, kernel_size=3, padding=1)[1]) is None
-        True
-    """
-    if window is None or not (window.recv_picks or window.send_picks):
-        return None
-    recv = {q - window.rank: tuple(p - start for p in picks)
-            for (q, start, stop), picks in zip(window.recv_ranges, window.recv_picks) if len(picks) < stop - start}
-    send = {q - window.rank: tuple(p - window.in_start for p in picks)
-            for (q, start, stop), picks in zip(window.send_ranges, window.send_picks) if len(picks) < stop - start}
-    return _Picks(send, recv)
-
-
-def _index(positions: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(positions, dtype=torch.long, device=like.device)
-
-
-def _hops(count: Count) -> tuple[int, ...]:
-    """The per-hop split, nearest rank first, of a count: an int (one hop) or a sequence
-    (a :attr:`ShardWindow.hops <torch_tp.conv.ShardWindow.hops>` entry)."""
-    if isinstance(count, int):
-        return (count,) if count else ()
-    return tuple(count)
-
-
-def _with_size(like: torch.Tensor, dim: int, count: int) -> list[int]:
-    shape = list(like.shape)
-    shape[dim] = count
-    return shape
-
-
-def _empty_slices(like: torch.Tensor, dim: int, count: int) -> torch.Tensor:
-    return like.new_empty(_with_size(like, dim, count))
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -202,149 +50,19 @@ class _HaloExchange(torch.autograd.Function):
     def forward(ctx, x_shard, dim, recv_left, recv_right, send_left, send_right, nb, picks):  # type: ignore
         ctx.args = (dim, recv_left, recv_right, send_left, send_right, nb, x_shard.shape[dim])  # no tensors
         ctx.picks = picks
-        return _exchange_forward(x_shard, dim, recv_left, recv_right, send_left, send_right, nb, picks=picks)
+        return exchange_forward(x_shard, dim, recv_left, recv_right, send_left, send_right, nb, picks=picks)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_strip):  # type: ignore[override]
-        return (_exchange_backward(grad_strip, *ctx.args, picks=ctx.picks),) + (None,) * 7
-
-
-@dataclasses.dataclass
-class _HalosInFlight:
-    """The forward exchange, started: the halo buffers fill once :meth:`wait` returns."""
-
-    halo_left: list[torch.Tensor]  # nearest rank first
-    halo_right: list[torch.Tensor]
-    transfer: _Transfer
-    dim: int
-    fills: list = dataclasses.field(default_factory=list)  # (halo piece, index, picked slices received)
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(halo_left, halo_right)``, each in position order (farthest left rank first)."""
-        self.transfer.wait()
-        for piece, index, received in self.fills:
-            piece.index_copy_(self.dim, index, received)
-        self.fills.clear()
-        return _cat(self.halo_left[::-1], self.dim), _cat(self.halo_right, self.dim)
-
-
-def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-
-
-def _exchange_start(
-    x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
-    nb: _Neighbours, *, picks: Optional[_Picks] = None,
-) -> _HalosInFlight:
-    """Start the forward exchange (no autograd) and return at once: compute that does not read
-    the halos can run while they are in flight (:mod:`torch_tp.conv.sharded_conv`). With
-    ``picks``, only the picked slices of a piece travel; the others are zero on arrival."""
-    n = x_shard.shape[dim]
-    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
-    send_picks, recv_picks = (picks.send, picks.recv) if picks is not None else ({}, {})
-    sends = {}
-    for offset, start, c in [(-1 - h, 0, c) for h, c in enumerate(send_l)] + [
-            (1 + h, n - c, c) for h, c in enumerate(send_r)]:
-        chosen = send_picks.get(offset)
-        sends[offset] = (x_shard.narrow(dim, start, c).contiguous() if chosen is None
-                         else x_shard.index_select(dim, _index(chosen, x_shard)))
-    halo_left, halo_right, recvs, fills = [], [], {}, []
-    for offset, c, pieces in [(-1 - h, c, halo_left) for h, c in enumerate(recv_l)] + [
-            (1 + h, c, halo_right) for h, c in enumerate(recv_r)]:
-        chosen = recv_picks.get(offset)
-        if chosen is None:
-            pieces.append(recvs.setdefault(offset, _empty_slices(x_shard, dim, c)))
-            continue
-        pieces.append(x_shard.new_zeros(_with_size(x_shard, dim, c)))
-        recvs[offset] = _empty_slices(x_shard, dim, len(chosen))
-        fills.append((pieces[-1], _index(chosen, x_shard), recvs[offset]))
-    halo_left = halo_left or [_empty_slices(x_shard, dim, 0)]
-    halo_right = halo_right or [_empty_slices(x_shard, dim, 0)]
-    return _HalosInFlight(halo_left, halo_right, _start_transfer(sends, recvs, nb), dim, fills)
-
-
-def _exchange_forward(
-    x_shard: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count, send_right: Count,
-    nb: _Neighbours, *, picks: Optional[_Picks] = None,
-) -> torch.Tensor:
-    """The forward exchange on plain tensors (no autograd): ``cat(halo_left, x_shard, halo_right)``.
-
-    Each count is an int (one hop) or split per hop (:func:`_hops`); the halo pieces are
-    concatenated in position order (farthest left rank first). ``picks``: see
-    :func:`_exchange_start`.
-    """
-    halo_left, halo_right = _exchange_start(x_shard, dim, recv_left, recv_right, send_left, send_right, nb,
-                                            picks=picks).wait()
-    return torch.cat([halo_left, x_shard, halo_right], dim=dim)
-
-
-@dataclasses.dataclass
-class _GradientsInFlight:
-    """The adjoint exchange, started: :meth:`wait` adds what arrives onto the own gradient."""
-
-    grad_x: torch.Tensor  # the own slices' gradient, without the pieces still to arrive
-    arrivals: list  # (first own slice or index of own slices, what a reader sends back)
-    transfer: _Transfer
-    dim: int
-
-    def wait(self) -> torch.Tensor:
-        """The gradient of the ``n`` own slices, every reader's piece added."""
-        self.transfer.wait()
-        for at, piece in self.arrivals:
-            if isinstance(at, int):
-                self.grad_x.narrow(self.dim, at, piece.shape[self.dim]).add_(piece)
-            else:
-                self.grad_x.index_add_(self.dim, at, piece)
-        return self.grad_x
-
-
-def _exchange_backward_start(
-    grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
-    send_right: Count, nb: _Neighbours, n: int, *, picks: Optional[_Picks] = None,
-) -> _GradientsInFlight:
-    """Start the adjoint of :func:`_exchange_forward` and return at once (compute that does not
-    need the own gradient can run while the halo gradients travel). With ``picks`` only the
-    picked slices' gradients travel back (the others' are zero: no tap read them)."""
-    recv_l, recv_r, send_l, send_r = (_hops(c) for c in (recv_left, recv_right, send_left, send_right))
-    send_picks, recv_picks = (picks.send, picks.recv) if picks is not None else ({}, {})
-    left = sum(recv_l)
-    pieces, stop = [], left
-    for h, c in enumerate(recv_l):  # the piece from h + 1 to the left sits just below the nearer ones
-        pieces.append((-1 - h, stop - c, c))
-        stop -= c
-    start = left + n
-    for h, c in enumerate(recv_r):
-        pieces.append((1 + h, start, c))
-        start += c
-    sends = {}
-    for offset, first, c in pieces:
-        piece, chosen = grad_strip.narrow(dim, first, c), recv_picks.get(offset)
-        sends[offset] = piece.contiguous() if chosen is None else piece.index_select(dim, _index(chosen, piece))
-    recvs, arrivals = {}, []
-    for offset, first, c in [(-1 - h, 0, c) for h, c in enumerate(send_l)] + [
-            (1 + h, n - c, c) for h, c in enumerate(send_r)]:
-        chosen = send_picks.get(offset)
-        recvs[offset] = _empty_slices(grad_strip, dim, c if chosen is None else len(chosen))
-        arrivals.append((first if chosen is None else _index(chosen, grad_strip), recvs[offset]))
-    transfer = _start_transfer(sends, recvs, nb)
-    return _GradientsInFlight(grad_strip.narrow(dim, left, n).clone(), arrivals, transfer, dim)
-
-
-def _exchange_backward(
-    grad_strip: torch.Tensor, dim: int, recv_left: Count, recv_right: Count, send_left: Count,
-    send_right: Count, nb: _Neighbours, n: int, *, picks: Optional[_Picks] = None,
-) -> torch.Tensor:
-    """The adjoint of :func:`_exchange_forward` on plain tensors: the gradient of the ``n`` own slices."""
-    return _exchange_backward_start(grad_strip, dim, recv_left, recv_right, send_left, send_right, nb, n,
-                                    picks=picks).wait()
+        return (exchange_backward(grad_strip, *ctx.args, picks=ctx.picks),) + (None,) * 7
 
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, Count], nb: _Neighbours) -> int:
+def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, Count], nb: Neighbours) -> int:
     """Validate the four counts against the shard and the rank's position; return ``dim`` >= 0."""
     if x_shard.dim() == 0 or not -x_shard.dim() <= dim < x_shard.dim():
         raise ValueError(f"halo_exchange: dim={dim} is out of range for a {x_shard.dim()}-D shard")
@@ -356,7 +74,7 @@ def _check_counts(x_shard: torch.Tensor, dim: int, counts: dict[str, Count], nb:
                 f"halo_exchange: {name} must be an int >= 0, got {value!r} (or a sequence of them: "
                 f"the count per hop, nearest rank first)"
             )
-        hops[name] = _hops(value)
+        hops[name] = per_hop(value)
     n = x_shard.shape[dim]
     for name in ("send_left", "send_right"):
         if any(c > n for c in hops[name]):
@@ -485,7 +203,7 @@ def halo_exchange(
 
     if isinstance(x_shard, DTensor):
         raise ValueError("halo_exchange takes the local shard (x.to_local()), not a DTensor")
-    nb = _resolve_neighbours(group, mesh, mesh_dim)
+    nb = resolve_neighbours(group, mesh, mesh_dim)
     counts = dict(recv_left=recv_left, recv_right=recv_right, send_left=send_left, send_right=send_right)
     counts, picks = _counts_and_picks(counts, window, nb)
     dim = _check_counts(x_shard, dim, counts, nb)
@@ -498,7 +216,7 @@ def halo_exchange(
     return _HaloExchange.apply(x_shard, dim, *counts.values(), nb, picks)
 
 
-def _counts_and_picks(counts: dict, window: Optional[ShardWindow], nb: _Neighbours) -> tuple[dict, Optional[_Picks]]:
+def _counts_and_picks(counts: dict, window: Optional[ShardWindow], nb: Neighbours) -> tuple[dict, Optional[Picks]]:
     """The four counts (per hop) and the picks, from ``window`` or from the counts given."""
     given = [name for name, value in counts.items() if value is not None]
     if window is None:
@@ -522,7 +240,7 @@ def _counts_and_picks(counts: dict, window: Optional[ShardWindow], nb: _Neighbou
             f"torch_tp.conv.halo_exchange: window= is position {window.rank}'s, this rank is at position "
             f"{nb.position} of {nb.size}; pass conv_windows(...)[{nb.position}]"
         )
-    return dict(zip(counts, window.hops)), _picks_of(window)
+    return dict(zip(counts, window.hops)), picks_of(window)
 
 
 def halo_bytes(

@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch_tp._layouts import shard_bounds
 from torch_tp.conv._core import bind, expand, spatial_layout, without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, _chunk_windows
-from torch_tp.conv.halo import _exchange_backward, _exchange_forward, _picks_of, _resolve_neighbours
+from torch_tp.conv._halo_exchange import exchange_backward, exchange_forward, picks_of, resolve_neighbours
 from torch_tp.conv._registry import HandlerSet
 
 __all__ = [
@@ -178,14 +178,14 @@ def _windowed_plan(x: DTensor, n: int, params: tuple, out_shape: Sequence[int], 
 
 def _neighbours(plan: _Plan) -> tuple:
     w = plan.window
-    nb = _resolve_neighbours(None, plan.mesh, plan.mesh_dim)
+    nb = resolve_neighbours(None, plan.mesh, plan.mesh_dim)
     return (plan.spatial_dim, *w.hops, nb)
 
 
 def _local_input(x_local: torch.Tensor, plan: _Plan, fill: float) -> torch.Tensor:
     """``pad(strip[trim_left : strip_size - trim_right], (pad_left, pad_right), fill)`` along d."""
     w, d = plan.window, plan.spatial_dim
-    strip = _exchange_forward(x_local, *_neighbours(plan), picks=_picks_of(w))  # every rank exchanges
+    strip = exchange_forward(x_local, *_neighbours(plan), picks=picks_of(w))  # every rank exchanges
     kept = strip.narrow(d, w.trim_left, w.strip_size - w.trim_left - w.trim_right)
     if w.pad_left == 0 and w.pad_right == 0:
         return kept
@@ -200,7 +200,7 @@ def _strip_grad_to_shard(g_local: torch.Tensor, plan: _Plan, n: int) -> torch.Te
     shape[d] = w.strip_size
     strip = g_local.new_zeros(shape)
     strip.narrow(d, w.trim_left, kept.shape[d]).copy_(kept)
-    return _exchange_backward(strip, *_neighbours(plan), n, picks=_picks_of(w))
+    return exchange_backward(strip, *_neighbours(plan), n, picks=picks_of(w))
 
 
 def _with_size(shape: Sequence[int], d: int, size: int) -> list[int]:

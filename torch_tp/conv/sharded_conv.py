@@ -47,14 +47,14 @@ from torch_tp.conv._core import CONV_ARGS, CONV_BACKWARD_ARGS, bind, check_repli
     without_partials, wrap
 from torch_tp.conv._geometry import ShardWindow, conv_windows
 from torch_tp.conv._registry import HandlerSet
-from torch_tp.conv.halo import (
-    _exchange_backward,
-    _exchange_backward_start,
-    _exchange_forward,
-    _exchange_start,
-    _picks_of,
-    _resolve_neighbours,
-    _settled_on_error,
+from torch_tp.conv._halo_exchange import (
+    exchange_backward,
+    exchange_backward_start,
+    exchange_forward,
+    exchange_start,
+    picks_of,
+    resolve_neighbours,
+    settled_on_error,
 )
 
 __all__ = [
@@ -157,19 +157,19 @@ def _out_size(size: int, k: int, stride: int, pad: int, dilation: int) -> int:
 
 def _exchange_args(plan: _Plan) -> tuple:
     w = plan.window
-    nb = _resolve_neighbours(None, plan.mesh, plan.mesh_dim)
+    nb = resolve_neighbours(None, plan.mesh, plan.mesh_dim)
     return (plan.spatial_dim, *w.hops, nb)
 
 
 def _picks(plan: _Plan) -> Any:
     """Which halo positions travel (``None``: all): those the receiver's taps read."""
-    return _picks_of(plan.window)
+    return picks_of(plan.window)
 
 
 def _local_input(x_local: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """``pad(strip[trim_left : strip_size - trim_right], (pad_left, pad_right))`` along d."""
     w, d = plan.window, plan.spatial_dim
-    strip = _exchange_forward(x_local, *_exchange_args(plan), picks=_picks(plan))
+    strip = exchange_forward(x_local, *_exchange_args(plan), picks=_picks(plan))
     kept = strip.narrow(d, w.trim_left, w.strip_size - w.trim_left - w.trim_right)
     return _pad_dim(kept, d, w.pad_left, w.pad_right)
 
@@ -200,8 +200,8 @@ def _overlapped(x_local: torch.Tensor, plan: _Plan, conv: Any, *, stride: int, s
     split along the sharded dim (each carries the bias once).
     """
     w, d = plan.window, plan.spatial_dim
-    flight = _exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan))
-    with _settled_on_error([flight]):  # a failing kernel must not strand the halos in flight
+    flight = exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan))
+    with settled_on_error([flight]):  # a failing kernel must not strand the halos in flight
         local_in = x_local.new_empty(_local_shape(x_local, plan))
         _zero_edges(local_in, d, w)
         _place(local_in, d, w, w.recv_left, x_local)
@@ -388,8 +388,8 @@ def _backward_serial(x_local: torch.Tensor, w_local: torch.Tensor, weight: DTens
     else:
         gi, gw, gb = conv_backward(local_in, mask)
     if mask[0]:
-        gi = _exchange_backward(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[plan.spatial_dim],
-                                picks=_picks(plan))
+        gi = exchange_backward(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[plan.spatial_dim],
+                               picks=_picks(plan))
     return gi, gw, gb
 
 
@@ -401,16 +401,16 @@ def _backward_overlapped(x_local: torch.Tensor, plan: _Plan, conv_backward: Any,
     exchanges still run one after the other, in the same order on every rank.
     """
     d = plan.spatial_dim
-    flight = _exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan)) if mask[1] else None
-    with _settled_on_error([flight] if flight is not None else []) as flights:
+    flight = exchange_start(x_local, *_exchange_args(plan), picks=_picks(plan)) if mask[1] else None
+    with settled_on_error([flight] if flight is not None else []) as flights:
         local_in = x_local.new_empty(_local_shape(x_local, plan))
         gi = conv_backward(local_in, [True, False, False])[0] if mask[0] else None
         if flight is not None:
             _fill_local_input(local_in, x_local, plan, flight)
         returning = None
         if mask[0]:
-            returning = _exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d],
-                                                 picks=_picks(plan))
+            returning = exchange_backward_start(_grad_strip(gi, plan), *_exchange_args(plan), x_local.shape[d],
+                                                picks=_picks(plan))
             flights.append(returning)
         gw = gb = None
         if mask[1] or mask[2]:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import finish_output, redistribute_to, shard_sizes, to_dtensor
+from torch_tp._module_state import ensure_state
 from torch_tp.conv import _registry
 from torch_tp.conv._region_ops import RegionGuard
 from torch_tp.parallel import rules
@@ -268,13 +269,12 @@ def _spatial_output(module, inputs, output, *, layout, use_local_output):
 
 
 # A region records, per call, whether its input came as a plain tensor (its output goes back
-# in the same form); a stack, since a module may be called re-entrantly.
-_PLAIN_INPUTS = "_torch_tp_spatial_plain_inputs"
+# in the same form): its ModuleState.spatial_plain_inputs, a stack, since a module may re-enter.
 
 
 def _region_input(module, args, **where):
     x = args[0] if args else None
-    module.__dict__.setdefault(_PLAIN_INPUTS, []).append((not isinstance(x, DTensor), getattr(x, "ndim", 0)))
+    ensure_state(module).spatial_plain_inputs.append((not isinstance(x, DTensor), getattr(x, "ndim", 0)))
     return _spatial_input(module, args, **where)
 
 
@@ -287,7 +287,7 @@ def _region_output(module, inputs, output, *, layout, dim, use_local_output):
     """A region hands back what its input was: strips of a map that is still spatial (a U-Net's
     logits), whole values once the spatial dim is pooled away (a classifier's), or the whole
     tensor when ``output_layouts`` asks for it; a plain tensor for a plain input."""
-    plain, ndim = module.__dict__[_PLAIN_INPUTS].pop()
+    plain, ndim = ensure_state(module).spatial_plain_inputs.pop()
     if not isinstance(output, DTensor):
         return output
     d = dim % ndim
@@ -441,8 +441,6 @@ def _run_in_scope(module: nn.Module, sets: tuple, where: str) -> None:
     module.forward = torch._dynamo.disable(module.forward, reason=_NOT_TRACED)
 
 
-_GUARDS = "_torch_tp_region_guards"  # the RegionGuard of each call in flight (a module may re-enter)
-
 _NOT_TRACED = ("torch_tp.conv: a SpatialParallel model runs eagerly under torch.compile (its halo exchange "
                "and scope are not traceable yet); compile the modules around it, or use fullgraph=False")
 
@@ -452,12 +450,12 @@ def _enter_scope(module: nn.Module, args: Any, *, where: str) -> None:
     _registry.enter_scope()
     guard = RegionGuard(where)
     guard.__enter__()
-    module.__dict__.setdefault(_GUARDS, []).append(guard)
+    ensure_state(module).region_guards.append(guard)  # one per call in flight (a module may re-enter)
 
 
 @torch._dynamo.disable(reason=_NOT_TRACED)
 def _scope_output(module: nn.Module, inputs: Any, output: Any) -> None:
-    guards = module.__dict__.get(_GUARDS)
+    guards = ensure_state(module).region_guards
     if guards:
         guards.pop().__exit__(None, None, None)
     _registry.exit_scope()

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
 from torch_tp._layouts import redistribute_to, replace_forward, same_input, to_dtensor
+from torch_tp._module_state import ensure_state, state_of
 from torch_tp.parallel import rules
 
 __all__ = ["SharedGather", "install_colwise", "install_rowwise", "share_gather"]
@@ -41,7 +42,7 @@ def _fused_colwise_outputs(layers: list[nn.Linear], x: DTensor, dim: int, group_
     """Each layer's output on ``x`` (sharded on ``dim``), from one fused all-gather + matmul
     (moving int8 tokens for ``comm_dtype=torch.int8``)."""
     weights = [layer.weight.to_local() for layer in layers]
-    fused = torch.ops.torch_tp.int8_all_gather_matmul if layers[0]._torch_tp_int8_comm else torch.ops.torch_tp.all_gather_matmul
+    fused = torch.ops.torch_tp.int8_all_gather_matmul if state_of(layers[0]).int8_comm else torch.ops.torch_tp.all_gather_matmul
     _, ys = fused(x.to_local(), [w.t() for w in weights], dim, group_name)
     outputs = []
     for layer, y in zip(layers, ys):
@@ -105,11 +106,11 @@ def share_gather(members: list[nn.Linear], where: str) -> list[SharedGather]:
     """
     by_kind: dict[tuple, list[nn.Linear]] = {}
     for member in members:
-        by_kind.setdefault(member._torch_tp_overlap_key, []).append(member)
+        by_kind.setdefault(state_of(member).overlap_key, []).append(member)
     groups = [SharedGather(kind, where) for kind in by_kind.values() if len(kind) > 1]
     for group in groups:
         for index, member in enumerate(group.members):
-            member._torch_tp_shared_gather = (group, index)
+            state_of(member).shared_gather = (group, index)
     return groups
 
 
@@ -120,7 +121,7 @@ def _colwise_forward(module, x, *, device_mesh: DeviceMesh, layout: Shard, group
         return F.linear(x, module.weight, module.bias)
     dim = rules.overlap_leading_dim(layout, x, "ColwiseParallel", module, module_path)
     x = redistribute_to(x, Shard(dim))
-    shared = module._torch_tp_shared_gather
+    shared = state_of(module).shared_gather
     if shared is not None:
         group, index = shared
         return group.output(index, raw, x, dim, group_name)
@@ -138,9 +139,10 @@ def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard
     group_name = device_mesh.get_group().group_name
     replace_forward(module, _colwise_forward, device_mesh=device_mesh, layout=layout,
                     group_name=group_name, module_path=module_path)
-    module._torch_tp_overlap_key = (group_name, layout, type(module.weight.to_local()), int8_comm)
-    module._torch_tp_shared_gather = None
-    module._torch_tp_int8_comm = int8_comm
+    state = ensure_state(module)
+    state.overlap_key = (group_name, layout, type(module.weight.to_local()), int8_comm)
+    state.shared_gather = None
+    state.int8_comm = int8_comm
 
 
 # ------------------------------------------------------------------ rowwise

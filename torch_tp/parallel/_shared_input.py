@@ -25,10 +25,9 @@ import torch
 import torch.nn as nn
 
 from torch_tp._layouts import same_input
+from torch_tp._module_state import ensure_state, state_of
 
 __all__ = ["SharedInput", "share_input", "shared_input_of"]
-
-_ATTR = "_torch_tp_shared_input"
 
 
 class SharedInput:
@@ -61,10 +60,11 @@ def share_input(members: Sequence[nn.Module]) -> SharedInput:
     """Make ``members`` (siblings reading one input) share one conversion of it."""
     group = SharedInput(members)
     for member in members:
-        setattr(member, _ATTR, group)
+        ensure_state(member).shared_input = group
     return group
 
 
 def shared_input_of(module: nn.Module) -> SharedInput | None:
     """The :class:`SharedInput` ``module`` belongs to, if any."""
-    return getattr(module, _ATTR, None)
+    state = state_of(module)
+    return state.shared_input if state is not None else None

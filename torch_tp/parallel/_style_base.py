@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -23,9 +24,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import style as _upstream
 from torch.distributed.tensor.placement_types import Placement
 
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # Python 3.10: typing_extensions has it (torch requires it and imports it itself)
+    from typing_extensions import dataclass_transform
+
 __all__ = ["ParallelStyle"]
 
 
+# Tells type checkers what __init_subclass__ does at runtime: every subclass is a keyword-only
+# dataclass of its annotated fields, so ``ColwiseParallel(overlap=True, foo=1)`` is flagged.
+@dataclass_transform(kw_only_default=True, eq_default=False)
 class ParallelStyle(_upstream.ParallelStyle):
     """Base class of torch_tp's styles: a description of how to parallelize one module.
 

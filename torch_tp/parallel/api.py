@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle as UpstreamPar
 from torch_tp._agreement import Fact, agree_or_raise
 from torch_tp.parallel import rules
 from torch_tp._order import require_before
-from torch_tp.parallel.plan import PlanEntry, check_ties, check_whole_units, earlier_ties, keep_earlier_ties
-from torch_tp.parallel.plan import owned_parameters, planned_placements, remember_replaced, resolve_plan, retie
+from torch_tp.parallel._ties import check_ties, earlier_ties, keep_earlier_ties, owned_parameters, remember_replaced, retie
+from torch_tp.parallel.plan import PlanEntry, check_whole_units, planned_placements, resolve_plan
 from torch_tp.parallel.replicate import replicate
 
 __all__ = ["parallelize_module"]

@@ -55,6 +55,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._agreement import Fact, check_on_every_rank
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
+from torch_tp._module_state import ensure_state, state_of
 from torch_tp.parallel import _dispatch, rules
 from torch_tp.parallel.style import ParallelStyle, distribute_parameters
 
@@ -93,7 +94,6 @@ def _hidden_dim_shards(module: nn.Module) -> dict[str, tuple[int, int]] | None:
     if not _takes_routing(module) and gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
         return _DENSE_HIDDEN_DIM_SHARDS
     return None
-_ROUTE_ATTR = "_torch_tp_route"
 
 
 # ----------------------------------------------------------------------------------- rules
@@ -287,7 +287,7 @@ def _expert_parallel_forward(
     route = _dispatch.plan_route(index, module.num_experts, group, world)
     received = _dispatch.dispatch(tokens, route, index.shape[1], group)
     out = _dispatch.combine(_run_local_experts(module, inner, received, route.local_expert), route, weights, group)
-    module.__dict__[_ROUTE_ATTR] = Routing(sent=route.sent, received=route.received)
+    ensure_state(module).route = Routing(sent=route.sent, received=route.received)
     return _home(out, hidden_states, mesh, layout, use_local_output)
 
 
@@ -548,5 +548,6 @@ def routing_summary(model: nn.Module) -> dict[str, Routing]:
         >>> routing_summary(nn.Linear(2, 2))
         {}
     """
-    return {path: m.__dict__[_ROUTE_ATTR] for path, m in model.named_modules() if _ROUTE_ATTR in m.__dict__}
+    states = ((path, state_of(m)) for path, m in model.named_modules())
+    return {path: state.route for path, state in states if state is not None and state.route is not None}
 

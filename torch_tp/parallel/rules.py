@@ -48,6 +48,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from torch_tp._module_state import ensure_state, state_of
+
 __all__ = [
     "UnsupportedModuleError",
     "BOTH_STAGES",
@@ -94,10 +96,6 @@ class UnsupportedModuleError(TypeError, NotImplementedError):
 
 #: The forward stages a style that converts both inputs and outputs claims.
 BOTH_STAGES = ("input", "output")
-
-# A module records which of its forward stages torch_tp has wired, so a second style
-# (or the same one twice) cannot stack conversions on top of each other.
-APPLIED_ATTR = "_torch_tp_applied"
 
 #: What a style that converts its module's first positional input says about it.
 TENSOR_INPUT_FIX = "this style converts the module's first positional input, which must be a tensor"
@@ -239,7 +237,8 @@ def require_unprepared(
         Traceback (most recent call last):
         ValueError: ColwiseParallel would convert the inputs of 'layer' (Linear), which PrepareModuleInput already converts; ...
     """
-    applied = getattr(module, APPLIED_ATTR, {})
+    state = state_of(module)
+    applied = state.applied if state is not None else {}
     for stage in stages:
         if stage in applied:
             raise ValueError(
@@ -259,14 +258,14 @@ def mark_prepared(module: nn.Module, stages: tuple[str, ...], style: str) -> Non
         >>> is_prepared(layer)
         True
     """
-    applied = dict(getattr(module, APPLIED_ATTR, {}))
-    applied.update((stage, style) for stage in stages)
-    module.__dict__[APPLIED_ATTR] = applied
+    # the stages a module's ModuleState.applied records: a second style cannot stack conversions
+    ensure_state(module).applied.update((stage, style) for stage in stages)
 
 
 def is_prepared(module: nn.Module) -> bool:
     """Whether a torch_tp style already converts some forward stage of ``module``."""
-    return bool(getattr(module, APPLIED_ATTR, None))
+    state = state_of(module)
+    return state is not None and bool(state.applied)
 
 
 def _require_module_type(module: nn.Module, allowed: tuple[type, ...], style: str, module_path) -> None:

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torch_tp._layouts import replace_forward
-from torch_tp._order import CHECKPOINTED, require_before
+from torch_tp._order import mark_checkpointed, require_before
 from torch_tp.parallel.plan import outermost_matches
 
 __all__ = ["checkpoint_by_pattern", "save_collectives_and_matmuls"]
@@ -115,7 +115,7 @@ def checkpoint_by_pattern(model: nn.Module, patterns: str | list[str], *, policy
     for path in paths:
         module = model.get_submodule(path)
         replace_forward(module, _checkpointed_forward, inner=module.forward, context_fn=context_fn)
-        setattr(module, CHECKPOINTED, True)
+        mark_checkpointed(module)
     return model
 
 
