@@ -177,7 +177,8 @@ def _map_errors(markdown: str, package: pathlib.Path = PACKAGE) -> list[str]:
     declared, errors = _import_map(markdown)
     actual = _unit_imports(package)
     errors += [f"{unit} has no line in the map" for unit in sorted(actual.keys() - declared.keys())]
-    errors += [f"the map's {unit} is no folder or module of torch_tp" for unit in sorted(declared.keys() - actual.keys())]
+    errors += [f"the map's {unit} is no folder or module of torch_tp"
+               for unit in sorted(declared.keys() - actual.keys())]
     for unit in sorted(declared.keys() & actual.keys()):
         errors += [f"the map's arrow {unit} ──> {target} is no import in the code"
                    for target in sorted(declared[unit] - actual[unit].keys())]
@@ -197,8 +198,8 @@ def test_the_map_check_sees_a_broken_arrow_a_left_out_import_and_a_missing_line(
         (package / init).write_text("")
     (package / "a.py").write_text("def f():\n    from torch_tp.sub import m\n")
     (package / "sub" / "m.py").write_text("from torch_tp import b\n")
-    doc = ("# Architecture\n\n## Package map\n\n```text\n__init__.py ──> nothing\na.py ──────> b.py   # a note\n"
-           "sub/ ──────> b.py\n```\n\n## Next\n")
+    doc = ("# Architecture\n\n## Package map\n\n```text\n__init__.py ──> nothing\n"
+           "a.py ──────> b.py   # a note\nsub/ ──────> b.py\n```\n\n## Next\n")
     assert _map_errors(doc, package) == [
         "b.py has no line in the map",
         "the map's arrow a.py ──> b.py is no import in the code",

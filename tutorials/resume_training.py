@@ -75,15 +75,17 @@ def _single_process_losses(last_step):
     reference = Transformer(ARGS).to(rank_device())
     init_parameters(reference, seed=0)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
-    losses = []
-    for step in range(1, last_step + 1):
-        tokens, targets = _batch(step)
-        loss = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [_train_step(reference, optimizer, step) for step in range(1, last_step + 1)]
+
+
+def _train_step(model, optimizer, step):
+    """One AdamW step on step ``step``'s batch; the loss as a float."""
+    tokens, targets = _batch(step)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
 
 def job(directory, last_step, name, digest_file):
@@ -96,12 +98,7 @@ def job(directory, last_step, name, digest_file):
     first = state.step + 1 if state else 1
     losses = []
     for step in range(first, last_step + 1):
-        tokens, targets = _batch(step)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(_train_step(model, optimizer, step))
         if directory and step % EVERY == 0:
             save_training_state(directory, step, model, optimizer, extra={"data_position": step})
     digest = _sha256(model)
