@@ -12,6 +12,7 @@ run is pinned, so a refusal that grows to cover a working case fails too.
 import copy
 import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -129,8 +130,7 @@ def test_each_combination_trains_like_one_process_or_is_refused_by_name_on_every
 
 
 def _refusal_pattern(refusal) -> str:
-    import re
-
+    """The refusal's reason (after the class name it may start with) and its fix, as a pattern."""
     return re.escape(refusal.why.split("{cls}")[-1][:60]) + ".*" + re.escape(refusal.fix)
 
 
