@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,6 +105,21 @@ def world_sizes(text: str) -> list[int]:
     if launched_by_torchrun():  # this process is one of the launcher's ranks
         return [int(os.environ["WORLD_SIZE"])]
     return [int(w) for w in text.split(",")]
+
+
+def require_for_each_world(parser: argparse.ArgumentParser, worlds: Iterable[int],
+                           problem: Callable[[int], str | None]) -> None:
+    """Stop with ``parser.error`` at the first world size where ``problem(world)`` names what
+    is wrong with the sizes asked for (``None``: nothing).
+
+    Example::
+
+        >>> require_for_each_world(parser, [2, 4], lambda w: None if 12 % w == 0 else f"12 rows over {w} ranks")
+    """
+    for world in worlds:
+        message = problem(world)
+        if message is not None:
+            parser.error(f"world size {world}: {message}")
 
 
 def run_worlds(rank_main: Callable[[Any], None], config: Any, sizes: str, what: str) -> list[dict]:

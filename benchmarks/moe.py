@@ -105,7 +105,7 @@ from torch_tp.testing import TOL, assert_params_and_grads_match, comm_counts
 # _driver.py and _measure.py are next to this script, whose directory running it (python3 or
 # torchrun) puts first on sys.path; spawned ranks inherit sys.path.
 from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, report_header  # noqa: E402
-from _driver import run_worlds, world_sizes  # noqa: E402
+from _driver import require_for_each_world, run_worlds, world_sizes  # noqa: E402
 from _measure import CollectiveBytesMode, local_parameter_bytes, median_ms, tensor_bytes, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -610,10 +610,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s = options.sizes
     if not 1 <= s.top_k <= s.experts:
         parser.error(f"--top-k {s.top_k} must be in [1, --experts {s.experts}]")
-    for world in world_sizes(options.world_sizes):
-        if s.experts % world or s.tokens % world or s.expert_hidden % world or s.dim % N_HEADS:
-            parser.error(f"world size {world}: --experts ({s.experts}), --tokens ({s.tokens}) and "
-                         f"--expert-hidden ({s.expert_hidden}) must be multiples of it, --dim of {N_HEADS}")
+    if s.dim % N_HEADS:
+        parser.error(f"--dim {s.dim} must be a multiple of the {N_HEADS} heads")
+    require_for_each_world(parser, world_sizes(options.world_sizes), lambda world: None if not (
+        s.experts % world or s.tokens % world or s.expert_hidden % world) else (
+        f"--experts ({s.experts}), --tokens ({s.tokens}) and --expert-hidden ({s.expert_hidden}) "
+        f"must be multiples of it"))
     return options
 
 

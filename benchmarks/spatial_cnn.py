@@ -130,7 +130,7 @@ from torch_tp.testing import TOL, record_p2p
 # _driver.py and _measure.py are next to this script, whose directory running it (python3 or
 # torchrun) puts first on sys.path; spawned ranks inherit sys.path.
 from _driver import RunConfig, benchmark_arguments, finish_arguments, markdown_table, progress  # noqa: E402
-from _driver import report_header, run_world, world_sizes  # noqa: E402
+from _driver import report_header, require_for_each_world, run_world, world_sizes  # noqa: E402
 from _measure import tensor_bytes, time_interleaved
 
 # ------------------------------------------------------------------------ configuration
@@ -831,10 +831,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     scale = 2 ** options.sizes.depth
     if h % scale or w % scale:
         parser.error(f"--image height and width must be multiples of 2**depth = {scale}")
-    for world in options.worlds:
-        if (w // scale) < 2 * world:
-            parser.error(f"world size {world}: the deepest level is {w // scale} wide; "
-                         f"want at least 2 columns per rank")
+    require_for_each_world(parser, options.worlds, lambda world: None if w // scale >= 2 * world else (
+        f"the deepest level is {w // scale} wide; want at least 2 columns per rank"))
     return options
 
 

@@ -52,28 +52,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'torch_tp' has no attribute {name!r}")
 
 __all__ = [
-    "parallelize_module",
-    "explain_plan",
-    "fully_shard_by_pattern",
-    "predict_placements",
-    "checkpoint_by_pattern",
-    "save_collectives_and_matmuls",
-    "verify_plan",
-    "VerificationReport",
-    "suggest_plan",
-    "init_parameters",
-    "ParallelStyle",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "ReplicateParallel",
-    "ShardParameter",
-    "ExpertParallel",
-    "ExpertTensorParallel",
-    "SpatialParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
+    # torch.distributed.tensor.parallel's names, with its signatures
+    "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+    # torch_tp's own styles, and the error every style raises on a module it cannot shard
+    "ReplicateParallel", "ShardParameter", "SpatialParallel", "ExpertParallel", "ExpertTensorParallel",
     "UnsupportedModuleError",
+    # model-level tools (torch_tp.tools): read a plan, derive one, check one, initialize, compose
+    "explain_plan", "predict_placements", "suggest_plan", "verify_plan", "VerificationReport",
+    "init_parameters", "fully_shard_by_pattern", "checkpoint_by_pattern", "save_collectives_and_matmuls",
+    # runtime
     "runtime_checks",
 ]

@@ -9,6 +9,8 @@ tensors; the running statistics must also be the same bits on every rank.
 """
 
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,11 +23,13 @@ from torch_tp.conv import sharded_convolution
 from torch_tp.conv.batch_norm import (
     sharded_batch_norm,
 )
-from torch_tp.testing import TOL, assert_comm_counts, assert_params_and_grads_match, assert_sharded_step_matches
+from torch_tp.testing import TOL, assert_comm_counts, assert_params_and_grads_match, assert_sharded_step_matches, \
+    assert_sharded_trains_like
 from torch_tp.testing import comm_counts, full_tensor, mesh_2x2, on_ranks, replicated_copy, shard_locally, tp_mesh
 
 aten = torch.ops.aten
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,33 +62,17 @@ def _assert_buffers_match(model, reference, what):
         _assert_same_on_every_rank(buf, f"{what} {name}")
 
 
-def _step(model, reference, x, dy, mesh, placements, dim, what):
-    """One forward + backward of both; compares output, input gradient, parameter gradients."""
-    with sharded_batch_norm():
-        step = assert_sharded_step_matches(model, reference, x, dy, mesh, placements, **TOL, what=what)
-    return step.output, step.input
-
-
 def _train_and_compare(ndim, shape, dim, *, steps=3, dtensor_buffers=False, mesh=None, placements=None,
                        **bn_kwargs):
     mesh = mesh or tp_mesh()
-    placements = placements or [Shard(dim)]
     gen = torch.Generator().manual_seed(0)
     reference = _randomized(_BN[ndim](shape[1], **bn_kwargs), gen)
     model = replicated_copy(reference, mesh, buffers=dtensor_buffers)
-    params = list(reference.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if params else None
-    ref_opt = torch.optim.SGD(params, lr=0.1) if params else None
-    for step in range(steps):
-        x = torch.randn(shape, generator=gen) * 2 + 1
-        dy = torch.randn(shape, generator=gen)
-        _step(model, reference, x, dy, mesh, placements, dim, f"step {step}")
-        _assert_buffers_match(model, reference, f"step {step}")
-        if opt is not None:
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+    batches = ((torch.randn(shape, generator=gen) * 2 + 1, torch.randn(shape, generator=gen)) for _ in range(steps))
+    with sharded_batch_norm():
+        assert_sharded_trains_like(model, reference, batches, mesh, placements or [Shard(dim)], **TOL,
+                                   optimizer=_SGD if list(reference.parameters()) else None,
+                                   check=lambda _, what: _assert_buffers_match(model, reference, what))
     return model, reference
 
 
@@ -177,7 +165,8 @@ def test_train_mode_communicates_once_each_way_and_eval_mode_not_at_all():
         model(dx).backward(shard_locally(dy, mesh, [Shard(3)]))
     assert_comm_counts(comm_counts(mode), {}, "eval forward + backward")
     model.zero_grad()
-    _step(model, reference, x, dy, mesh, [Shard(3)], 3, "eval")
+    with sharded_batch_norm():
+        assert_sharded_step_matches(model, reference, x, dy, mesh, [Shard(3)], **TOL, what="eval")
     _assert_buffers_match(model, reference, "eval")
 
 
@@ -203,20 +192,12 @@ def test_conv_bn_relu_conv_trains_like_single_process():
     torch.manual_seed(0)
     reference = _chain().double()
     model = replicated_copy(reference, mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(3)
-    for step in range(3):
-        x = torch.randn(2, 3, 6, 10, generator=gen, dtype=torch.float64)  # width 10: 3, 3, 3, 1 on 4 ranks
-        dy = torch.randn(2, 2, 6, 10, generator=gen, dtype=torch.float64)
-        what = f"step {step}"
-        with sharded_convolution(), sharded_batch_norm():
-            assert_sharded_step_matches(model, reference, x, dy, mesh, [Shard(3)], **TOL, what=what)
-        _assert_buffers_match(model, reference, what)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    batches = ((torch.randn(2, 3, 6, 10, generator=gen, dtype=torch.float64),  # width 10: 3, 3, 3, 1 on 4 ranks
+                torch.randn(2, 2, 6, 10, generator=gen, dtype=torch.float64)) for _ in range(3))
+    with sharded_convolution(), sharded_batch_norm():
+        assert_sharded_trains_like(model, reference, batches, mesh, [Shard(3)], **TOL, optimizer=_SGD,
+                                   check=lambda _, what: _assert_buffers_match(model, reference, what))
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=lambda m: f"{name} after 3 steps: {m}")
 

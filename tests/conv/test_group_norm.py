@@ -10,6 +10,8 @@ channels-first mean/var), mirrored here since the project does not depend on tim
 """
 
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,8 +24,8 @@ from torch_tp.conv.group_norm import (
     sharded_group_norm,
 )
 from torch_tp.conv.pointwise import sharded_pointwise
-from torch_tp.testing import TOL, assert_comm_counts, assert_sharded_step_matches, mesh_2x2, on_ranks
-from torch_tp.testing import replicated_copy, shard_locally, tp_mesh
+from torch_tp.testing import TOL, assert_comm_counts, assert_sharded_trains_like, mesh_2x2
+from torch_tp.testing import on_ranks, replicated_copy, shard_locally, tp_mesh
 
 aten = torch.ops.aten
 
@@ -42,14 +44,14 @@ def _randomized(module, gen):
     return module
 
 
-def _step(model, reference, x, dy, mesh, placements, what, comms=None):
-    """One forward + backward of both; compares output, input gradient, parameter gradients and
-    (if ``comms`` = (forward, backward) expected counts) the collectives of each half."""
-    step = assert_sharded_step_matches(model, reference, x, dy, mesh, placements, **TOL, what=what)
-    if comms is not None:
-        assert_comm_counts(step.forward_comms, comms[0], f"{what} forward")
-        assert_comm_counts(step.backward_comms, comms[1], f"{what} backward")
-    return step.output, step.input
+def _comms_are(comms):
+    """A ``check`` for :func:`assert_sharded_trains_like`: the collectives of each half of the
+    step are ``comms`` = (forward, backward) expected counts (``None``: not checked)."""
+    def check(step, what):
+        if comms is not None:
+            assert_comm_counts(step.forward_comms, comms[0], f"{what} forward")
+            assert_comm_counts(step.backward_comms, comms[1], f"{what} backward")
+    return check
 
 
 def _assert_partial_param_grads(model, shape, placement):
@@ -67,18 +69,12 @@ def _train_and_compare(reference, shape, *, placements, mesh=None, steps=2, comm
     gen = torch.Generator().manual_seed(0)
     reference = _randomized(reference.to(dtype), gen)
     model = replicated_copy(reference, mesh)
-    params = list(reference.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if params else None
-    ref_opt = torch.optim.SGD(params, lr=0.1) if params else None
-    for step in range(steps):
-        x = torch.randn(shape, generator=gen, dtype=dtype) * 2 + 1
-        dy = torch.randn((shape[0], out_channels or shape[1], *shape[2:]), generator=gen, dtype=dtype)
-        _step(model, reference, x, dy, mesh, placements, f"step {step}", comms)
-        if opt is not None:
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+    out_shape = (shape[0], out_channels or shape[1], *shape[2:])
+    batches = ((torch.randn(shape, generator=gen, dtype=dtype) * 2 + 1, torch.randn(out_shape, generator=gen, dtype=dtype))
+               for _ in range(steps))
+    sgd = functools.partial(torch.optim.SGD, lr=0.1) if list(reference.parameters()) else None
+    assert_sharded_trains_like(model, reference, batches, mesh, placements, **TOL, optimizer=sgd,
+                               check=_comms_are(comms))
     return model
 
 

@@ -11,6 +11,8 @@ own order depends on the layout and sizes), and bit for bit where the arithmetic
 """
 
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -27,7 +29,7 @@ from torch_tp.conv.upsample import (
     sharded_upsampling,
     upsample_handler,
 )
-from torch_tp.testing import TOL, assert_sharded_step_matches, comm_counts, full_tensor, mesh_2x2, on_ranks, rank
+from torch_tp.testing import TOL, assert_sharded_step_matches, assert_sharded_trains_like, comm_counts, full_tensor, mesh_2x2, on_ranks, rank
 from torch_tp.testing import record_p2p, replicated_copy, sent_bytes, shard_locally, tp_mesh, world_size
 
 aten = torch.ops.aten
@@ -288,19 +290,16 @@ class _TinyUNet(nn.Module):
 @on_ranks(2, 4)
 def test_tiny_unet_trains_like_single_process():
     # float64, width 16 (even) and height 12 sharded: 3, 3, 3, 3 / after the stride-2 conv 2, 2, 1, 1
-    mesh = tp_mesh()
     torch.manual_seed(0)
     reference = _TinyUNet().double()
-    model = replicated_copy(reference, mesh)
     gen = torch.Generator().manual_seed(6)
-    for dim, shape in ((3, (2, 3, 6, 16)), (2, (2, 3, 12, 8))):
-        x = torch.randn(shape, generator=gen, dtype=torch.float64)
-        dy = torch.randn(shape[0], 2, *shape[2:], generator=gen, dtype=torch.float64)
-
-        with sharded_convolution(), sharded_batch_norm(), sharded_upsampling():
-            assert_sharded_step_matches(model, reference, x, dy, mesh, [Shard(dim)], **TOL, what=f"dim {dim}")
-        model.zero_grad()
-        reference.zero_grad()
+    batches = [(torch.randn(shape, generator=gen, dtype=torch.float64),
+                torch.randn(shape[0], 2, *shape[2:], generator=gen, dtype=torch.float64), [Shard(dim)])
+               for dim, shape in ((3, (2, 3, 6, 16)), (2, (2, 3, 12, 8)))]
+    mesh = tp_mesh()
+    with sharded_convolution(), sharded_batch_norm(), sharded_upsampling():
+        assert_sharded_trains_like(replicated_copy(reference, mesh), reference, batches, mesh, None, **TOL,
+                                   optimizer=functools.partial(torch.optim.SGD, lr=0.1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,3 +51,44 @@ def test_full_tensors_on_a_2d_mesh_fall_back_to_full_tensor():
     (got,) = full_tensors([value])
     assert torch.equal(got, whole) and not got.requires_grad
     dist.barrier()
+
+
+@on_ranks(2)
+def test_assert_sharded_trains_like_trains_and_names_the_step_that_diverges():
+    # a pointwise layer on a width-sharded input: plain DTensor ops, no torch_tp handler needed
+    import functools
+
+    import pytest
+    import torch.nn as nn
+
+    from torch_tp.testing import TOL, assert_sharded_trains_like, replicated_copy
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return x * self.weight
+
+    mesh = tp_mesh()
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 6, generator=gen), torch.randn(2, 6, generator=gen)) for _ in range(3)]
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    reference = Scale()
+    model = replicated_copy(reference, mesh)
+    steps = assert_sharded_trains_like(model, reference, batches, mesh, [Shard(1)], **TOL, optimizer=sgd)
+    assert len(steps) == 3 and steps[-1].output.placements == (Shard(1),)
+    torch.testing.assert_close(model.weight.full_tensor(), reference.weight.detach(), **TOL)
+    assert reference.weight.item() != 1.5  # it trained
+
+    # the parallel model's optimizer runs at another learning rate: steps 0 agree, step 1 must not
+    class TwiceTheStep(torch.optim.SGD):
+        def __init__(self, params):
+            params = list(params)
+            super().__init__(params, lr=0.2 if isinstance(params[0], DTensor) else 0.1)
+
+    reference = Scale()
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_sharded_trains_like(replicated_copy(reference, mesh), reference, batches, mesh, [Shard(1)], **TOL,
+                                   optimizer=TwiceTheStep)

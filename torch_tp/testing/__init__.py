@@ -36,7 +36,13 @@ from torch_tp.testing._reference import (
     local_chunk,
 )
 from torch_tp.testing._scripts import ROOT, ScriptRun, run_script
-from torch_tp.testing._sharded import ShardedStep, assert_sharded_step_matches, replicated_copy, shard_locally
+from torch_tp.testing._sharded import (
+    ShardedStep,
+    assert_sharded_step_matches,
+    assert_sharded_trains_like,
+    replicated_copy,
+    shard_locally,
+)
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
@@ -48,6 +54,7 @@ __all__ = [
     "assert_comm_counts",
     "assert_params_and_grads_match",
     "assert_sharded_step_matches",
+    "assert_sharded_trains_like",
     "assert_trains_like",
     "assert_training_step_matches",
     "comm_counts",

@@ -1,7 +1,8 @@
 """One op or layer on a sharded input against one process, forward and backward (rank side).
 
 The spatial tests push a given output gradient ``dy`` through a layer (a BatchNorm, a pooling,
-an activation) rather than a loss: :func:`assert_sharded_step_matches` is that comparison, once.
+an activation) rather than a loss: :func:`assert_sharded_step_matches` is that comparison, once,
+and :func:`assert_sharded_trains_like` repeats it over several optimizer steps.
 :func:`shard_locally` and :func:`replicated_copy` build its inputs without communication.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch_tp.testing._comm import comm_counts
 from torch_tp.testing._reference import assert_params_and_grads_match
 
-__all__ = ["ShardedStep", "assert_sharded_step_matches", "replicated_copy", "shard_locally"]
+__all__ = [
+    "ShardedStep",
+    "assert_sharded_step_matches",
+    "assert_sharded_trains_like",
+    "replicated_copy",
+    "shard_locally",
+]
 
 
 def shard_locally(tensor: torch.Tensor, mesh: Any, placements: Sequence[Placement]) -> DTensor:
@@ -130,3 +137,49 @@ def assert_sharded_step_matches(
     if params and isinstance(fn, nn.Module) and isinstance(reference, nn.Module):
         assert_params_and_grads_match(fn, reference, rtol=rtol, atol=atol, what=what)
     return ShardedStep(y, dx, comm_counts(forward), comm_counts(backward))
+
+
+def assert_sharded_trains_like(
+    model: nn.Module,
+    reference: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, ...]],
+    mesh: Any,
+    placements: Sequence[Placement] | None,
+    *,
+    optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None,
+    check: Callable[[ShardedStep, str], None] | None = None,
+    **compare: Any,
+) -> list[ShardedStep]:
+    """Train ``model`` (input sharded by ``placements``) and ``reference`` side by side, one step
+    per ``(x, dy)`` of ``batches``; assert every step agrees. With ``placements=None`` each batch
+    names its own: ``(x, dy, placements)``, e.g. to alternate the sharded dim between steps.
+
+    Each step is :func:`assert_sharded_step_matches` (``compare`` holds its keyword arguments;
+    messages name ``"<what> step <i>"``), then ``check(step, what)`` if given, then a step and
+    ``zero_grad()`` of each model's own ``optimizer(model.parameters())``. ``optimizer=None``
+    (a layer with nothing to train) leaves the parameters as they are. ``batches`` is read one
+    batch per step, so a generator drawing from one RNG draws as a hand-written loop would.
+    Returns the steps.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> batches = ((torch.randn(2, 3, 5, 10), torch.randn(2, 3, 5, 10)) for _ in range(3))
+        >>> with sharded_batch_norm():
+        ...     assert_sharded_trains_like(replicated_copy(bn, mesh), bn, batches, mesh, [Shard(3)],
+        ...                                optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    """
+    what = compare.pop("what", "")
+    optimizers = [optimizer(m.parameters()) for m in (model, reference)] if optimizer is not None else []
+    steps = []
+    for i, batch in enumerate(batches):
+        x, dy, layout = batch if placements is None else (*batch, placements)
+        label = f"{what} step {i}".strip()
+        step = assert_sharded_step_matches(model, reference, x, dy, mesh, layout, what=label, **compare)
+        if check is not None:
+            check(step, label)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        steps.append(step)
+    return steps
