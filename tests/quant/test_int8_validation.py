@@ -79,10 +79,22 @@ def _with_float64_scale(q):
     q.scale = q.scale.double()
 
 
+def _with_minus_128(q):
+    q.qdata = q.qdata.clone()
+    q.qdata[2, 3] = -128  # outside the symmetric range: W8A8's int32 sums are exact only within it
+
+
+def _with_zero_scale(q):
+    q.scale = q.scale.clone()
+    q.scale[1] = 0.0
+
+
 _TAMPERED = {  # how the saved value is broken, and what the error must say
     "qdata_rows": (_with_qdata_rows, "qdata has shape (1, 8), not the tensor's (4, 8)"),
     "float_qdata": (_with_float_qdata, "qdata is torch.float32, not torch.int8"),
     "float64_scale": (_with_float64_scale, "scale is torch.float64, not torch.float32"),
+    "minus_128": (_with_minus_128, "qdata holds -128, outside the symmetric range [-127, 127]"),
+    "zero_scale": (_with_zero_scale, "scale holds a value that is not finite and positive"),
 }
 
 
@@ -105,6 +117,20 @@ def test_load_state_dict_refuses_an_int8_value_with_a_bad_qdata_or_scale(case):
     assert 'While copying the parameter named "weight"' in message, message
     assert f"in the source (the state dict's or checkpoint's value), {_TAMPERED[case][1]}" in message, message
     assert torch.equal(model.weight.qdata, before), "nothing is copied before the check"
+
+
+@pytest.mark.parametrize("case", ["minus_128", "zero_scale"])
+def test_int8_data_out_of_range_is_refused_by_the_constructor_and_by_torch_load(case, tmp_path):
+    weight = _quantized_linear(8, 4).weight
+    bad = _tampered(weight, case)
+    with pytest.raises(ValueError, match=r"torch_tp.quant.Int8SymmetricTensor \(constructor\): " +
+                       _TAMPERED[case][1].replace("[", r"\[").replace("]", r"\]")):
+        Int8SymmetricTensor(bad.qdata, bad.scale, torch.float32)
+    torch.save(bad, tmp_path / "w.pt")
+    with pytest.raises(ValueError, match=r"Int8SymmetricTensor \(torch.load\)"):
+        torch.load(tmp_path / "w.pt", weights_only=True)
+    # what ops build from checked data is not scanned again, and stays right
+    torch.testing.assert_close(weight.t().t().dequantize(), weight.dequantize(), rtol=0, atol=0)
 
 
 def _sharded_float_qdata(source, mesh):
@@ -183,3 +209,18 @@ def _layers_with_an_empty_shard():
 
 def test_int8_layers_with_an_empty_shard_match_the_single_process_layers():
     run_on_ranks(_layers_with_an_empty_shard, 4)
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute", "parameter"])
+def test_an_int8_weight_refuses_to_require_grad_by_name(how):
+    # before: requires_grad_() succeeded and backward wrote a float gradient for the int8 weight
+    lin = _quantized_linear(8, 4)
+    turn_on = {
+        "requires_grad_": lambda: lin.weight.requires_grad_(),
+        "attribute": lambda: setattr(lin.weight, "requires_grad", True),
+        "parameter": lambda: nn.Parameter(Int8SymmetricTensor.from_hp(torch.ones(2, 2))),
+    }[how]
+    with pytest.raises(TypeError, match=r"torch_tp.quant.Int8SymmetricTensor: an int8 weight is frozen"):
+        turn_on()
+    assert not lin.weight.requires_grad
+    lin.weight.requires_grad_(False)  # keeping it frozen is fine

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements, int8_values_problem
 
 __all__: list[str] = []
 
@@ -90,6 +90,8 @@ def _require_valid_layouts(self: Int8SymmetricTensor, src: Int8SymmetricTensor) 
     # qdata to int8 (wrapping): a tampered or foreign checkpoint must fail here instead.
     for tensor, role in ((src, "the source (the state dict's or checkpoint's value)"), (self, "the destination")):
         problem = tensor.layout_problem()
+        if problem is None and tensor is src:  # int8 data entering from a file: its values too
+            problem = int8_values_problem(src.qdata, src.scale)
         if problem is not None:
             raise ValueError(
                 f"copy_ into {_describe(self)} from {_describe(src)}: in {role}, {problem}. "

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_tp.quant._torchao import import_torchao
-from torch_tp.quant.int8_tensor import Int8SymmetricTensor
+from torch_tp.quant.int8_tensor import Int8SymmetricTensor, built_from_checked_data
 
 __all__: list[str] = []
 
@@ -164,7 +164,8 @@ def post_all_gather(local: Int8SymmetricTensor, outputs: tuple, metadata: tuple,
             if mine.data_ptr() != new.data_ptr():
                 mine.copy_(new)
         return None
-    return Int8SymmetricTensor(qdata, scale, param_dtype, activations=local.activations), list(outputs)
+    with built_from_checked_data():  # the gathered bytes of checked shards
+        return Int8SymmetricTensor(qdata, scale, param_dtype, activations=local.activations), list(outputs)
 
 
 def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple:

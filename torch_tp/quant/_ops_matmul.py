@@ -20,7 +20,8 @@ for bfloat16, its rounding); the int8 to float conversion is exact (|q| <= 127).
 **W8A8** (``activations="int8"``). The 2-D input is quantized per token (dynamic, symmetric,
 one float32 scale per row: :func:`torch_tp._tokens.quantize_tokens`, ``x_scale = amax / 127``)
 and ``y = (torch._int_mm(x_q, qdata.t()).float() * x_scale) * scale.t()``, cast to the input's
-dtype. Exactness: the int32 product of the int8 operands is exact (``K * 127 * 127`` must fit
+dtype; a token holding NaN or +-inf gives a NaN output row (its sum has no int8 product; float
+would give NaN or +-inf there). Exactness: the int32 product of the int8 operands is exact (``K * 127 * 127`` must fit
 int32: ``K <= 133144``, else ``ValueError``); the only float steps are the two scalings and the
 cast. It differs from weight-only by the activation rounding alone: per element
 ``|x - x_q * x_scale| <= x_scale / 2``, so per output
@@ -59,7 +60,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_tp._tokens import QMAX, quantize_tokens
+from torch_tp._tokens import QMAX, marked_rows, quantize_tokens
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, implements
 
 __all__: list[str] = []
@@ -142,7 +143,9 @@ def _w8a8_rows_times_weight(x2d: torch.Tensor, qdata_nk: torch.Tensor, scale_n: 
     _check_w8a8_input(x2d)
     x_q, x_scale = quantize_tokens(x2d)
     accumulated = _int8_product(x_q, qdata_nk)
-    return (accumulated.to(torch.float32) * x_scale * scale_n.reshape(1, -1)).to(x2d.dtype)
+    y = accumulated.to(torch.float32) * x_scale * scale_n.reshape(1, -1)
+    # a token holding NaN or +-inf (a marked row) has no int8 product: its output row is NaN
+    return torch.where(marked_rows(x_scale), torch.nan, y).to(x2d.dtype)
 
 
 def _scales_per_output_column(qdata_kn: torch.Tensor, scale_kn: torch.Tensor) -> bool:

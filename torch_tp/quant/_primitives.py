@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from torch_tp._tokens import QMAX, dequantize_tokens, quantize_tokens
+from torch_tp._tokens import QMAX, dequantize_rows, quantize_tokens
 
 __all__ = ["QMAX", "quantize_per_row", "dequantize_per_row"]
 
@@ -63,4 +63,4 @@ def dequantize_per_row(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
         >>> dequantize_per_row(torch.tensor([[127, -64]], dtype=torch.int8), torch.tensor([[0.5]]), torch.float32)
         tensor([[ 63.5000, -32.0000]])
     """
-    return dequantize_tokens(qdata, scale, dtype)
+    return dequantize_rows(qdata, scale, dtype)  # a weight is never marked: non-finite weights are refused

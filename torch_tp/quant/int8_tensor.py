@@ -27,17 +27,28 @@ The aten ops live in ``_ops_shape.py``, ``_ops_matmul.py``, ``_ops_collective.py
 ``_ops_fsdp.py`` (FSDP2's all-gather of int8 bytes), each
 registered on :attr:`Int8SymmetricTensor.implements` when :mod:`torch_tp.quant` loads them. An op that is not implemented raises
 ``NotImplementedError`` naming the op: nothing silently falls back to float.
+
+**Int8 data is checked where it enters** (:func:`int8_values_problem`): ``qdata`` in
+``[-127, 127]`` (the symmetric range that keeps W8A8's int32 sums exact up to its K) and
+``scale`` finite and positive. Entry points: the constructor called from user code, ``copy_``
+(``load_state_dict``, ``dcp.load``) and unpickling (``torch.load``). A tensor an op builds from
+checked operands (inside ``__torch_dispatch__`` / ``__torch_function__``, FSDP2's gather,
+``torch.compile``'s unflatten) is checked by construction and costs no scan.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from torch_tp.quant import _registry
 from torch_tp.quant._primitives import dequantize_per_row, quantize_per_row
 from torch_tp.quant._torchao import import_torchao
 
-__all__ = ["ACTIVATIONS", "Int8SymmetricTensor", "check_activations"]
+__all__ = ["ACTIVATIONS", "Int8SymmetricTensor", "built_from_checked_data", "check_activations", "int8_values_problem"]
 
 TorchAOBaseTensor = import_torchao("torchao.utils").TorchAOBaseTensor
 
@@ -60,6 +71,70 @@ def check_activations(activations, where: str = "torch_tp.quant.Int8SymmetricTen
             f"input quantized per token and an exact int8 x int8 product)"
         )
     return activations
+
+
+def int8_values_problem(qdata: torch.Tensor, scale: torch.Tensor) -> str | None:
+    """What keeps ``qdata``/``scale`` out of :class:`Int8SymmetricTensor`'s value range, or
+    ``None``: ``qdata`` in ``[-127, 127]``, ``scale`` finite and positive. Reads the data (one
+    scan); fake and meta tensors have none and pass.
+
+    Example::
+
+        >>> int8_values_problem(torch.tensor([[-128, 3]], dtype=torch.int8), torch.ones(1, 1))
+        'qdata holds -128, outside the symmetric range [-127, 127]'
+    """
+    if any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in (qdata, scale)):
+        return None
+    if qdata.dtype == torch.int8 and qdata.numel() and bool((qdata == -128).any()):
+        return "qdata holds -128, outside the symmetric range [-127, 127]"
+    if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        return "scale holds a value that is not finite and positive"
+    return None
+
+
+_CHECKED = threading.local()
+
+
+@contextlib.contextmanager
+def built_from_checked_data():
+    """Within it, :class:`Int8SymmetricTensor` is built without a value scan: its data comes
+    from checked tensors (an op's result, a gather of checked shards).
+
+    Example::
+
+        >>> with built_from_checked_data():
+        ...     q = Int8SymmetricTensor(torch.ones(2, 2, dtype=torch.int8), torch.ones(2, 1), torch.float32)
+    """
+    depth = getattr(_CHECKED, "depth", 0)
+    _CHECKED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _CHECKED.depth = depth
+
+
+def _require_int8_values(qdata: torch.Tensor, scale: torch.Tensor, where: str) -> None:
+    if getattr(_CHECKED, "depth", 0) or torch.compiler.is_compiling():
+        return
+    problem = int8_values_problem(qdata, scale)
+    if problem is not None:
+        raise ValueError(
+            f"torch_tp.quant.Int8SymmetricTensor ({where}): {problem}. Build int8 weights with "
+            f"Int8SymmetricTensor.from_hp(float_weight), or check where this int8 data came from"
+        )
+
+
+_GRAD_SETTERS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
+
+
+def _refuse_requires_grad(func, args, kwargs) -> None:
+    wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", func is torch.Tensor.requires_grad_)
+    if wanted:
+        raise TypeError(
+            f"torch_tp.quant.{type(args[0]).__name__}: an int8 weight is frozen (requires_grad=False): it has "
+            f"no float values to train, and an optimizer step would write float updates into int8 data. Keep "
+            f"it frozen (nn.Parameter(weight, requires_grad=False)), or train the float weight and quantize after"
+        )
 
 
 class Int8SymmetricTensor(TorchAOBaseTensor):
@@ -98,6 +173,7 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
                  whole_rows: bool | None = True, shared_scale: bool | None = False,
                  activations: str | None = "float"):
         super().__init__()
+        _require_int8_values(qdata, scale, "constructor")
         self.qdata = qdata
         self.scale = scale
         self.whole_rows = True if whole_rows is None else bool(whole_rows)
@@ -109,6 +185,18 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         cls.__setstate__ = _setstate
         _registry.register(cls)
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with built_from_checked_data():  # what an op builds comes from its checked operands
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _GRAD_SETTERS:
+            _refuse_requires_grad(func, args, kwargs or {})
+        with built_from_checked_data():
+            return super().__torch_function__(func, types, args, kwargs)
+
     def __tensor_flatten__(self):
         """``(["qdata", "scale"], context)``; the context names this tensor's registered class
         and carries its :meth:`layout_flags` and :attr:`activations`."""
@@ -119,9 +207,10 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
     def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
         """Rebuild from :meth:`__tensor_flatten__`'s output; only torch_tp's registered classes."""
         target = _registry.registered_class(context["class"], Int8SymmetricTensor)
-        return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"],
-                      context.get("whole_rows", True), context.get("shared_scale", False),
-                      context.get("activations", "float"))
+        with built_from_checked_data():
+            return target(inner_tensors["qdata"], inner_tensors["scale"], context["dtype"],
+                          context.get("whole_rows", True), context.get("shared_scale", False),
+                          context.get("activations", "float"))
 
     @classmethod
     def from_hp(cls, weight: torch.Tensor, *, activations: str = "float") -> "Int8SymmetricTensor":
@@ -142,7 +231,8 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         """
         check_activations(activations, "torch_tp.quant.Int8SymmetricTensor.from_hp")
         qdata, scale = quantize_per_row(weight)
-        return cls(qdata, scale, weight.dtype, activations=activations)
+        with built_from_checked_data():
+            return cls(qdata, scale, weight.dtype, activations=activations)
 
     def with_activations(self, activations: str) -> "Int8SymmetricTensor":
         """The same int8 values and scales (shared, not copied) under another activation mode.
@@ -155,7 +245,8 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
             ('int8', True)
         """
         check_activations(activations, f"torch_tp.quant.{type(self).__name__}.with_activations")
-        return type(self)(self.qdata, self.scale, self.dtype, self.whole_rows, self.shared_scale, activations)
+        with built_from_checked_data():
+            return type(self)(self.qdata, self.scale, self.dtype, self.whole_rows, self.shared_scale, activations)
 
     from_float = from_hp
 
@@ -248,7 +339,8 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
         """A tensor of this class, dtype and :attr:`activations` around new ``qdata`` and ``scale``;
         its :meth:`layout_flags` are ``flags`` (default: neither, what an op's result may claim)."""
         flags = {"whole_rows": False, "shared_scale": False, **flags}
-        return type(self)(qdata, scale, self.dtype, flags["whole_rows"], flags["shared_scale"], self.activations)
+        with built_from_checked_data():
+            return type(self)(qdata, scale, self.dtype, flags["whole_rows"], flags["shared_scale"], self.activations)
 
     def piece_flags(self, dim: int) -> dict[str, bool]:
         """The :meth:`layout_flags` of a piece cut from this tensor along ``dim``.
@@ -279,6 +371,7 @@ def _setstate(self, state) -> None:
     _base_setstate(self, state)
     if self.activations is None:
         self.activations = "float"
+    _require_int8_values(self.qdata, self.scale, "torch.load")
 
 
 Int8SymmetricTensor.__setstate__ = _setstate
