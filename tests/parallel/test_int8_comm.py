@@ -138,10 +138,15 @@ def test_comm_dtype_is_refused_by_name_where_it_cannot_apply(case):
         make()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
+@pytest.mark.parametrize("comm_dtype", [None, torch.int8], ids=["float", "int8"])
 @on_ranks(2)
-def test_a_sequence_the_ranks_cannot_split_evenly_is_refused_on_every_rank_before_anything_is_sent():
-    model = parallelize_module(_Biased(), tp_mesh(), {"up": ColwiseParallel(input_layouts=Shard(1), comm_dtype=torch.int8)})
+def test_a_sequence_the_ranks_cannot_split_evenly_is_refused_on_every_rank_before_anything_is_sent(comm_dtype, overlap):
+    # before: with overlap=True the ring sent the pieces as they came and gloo aborted the process
+    style = ColwiseParallel(input_layouts=Shard(1), comm_dtype=comm_dtype, overlap=overlap)
+    model = parallelize_module(_Biased(), tp_mesh(), {"up": style})
     piece = torch.randn(2, 4 if rank() == 0 else 3, 16)  # 7 positions over 2 ranks
-    with pytest.raises(ValueError, match="comm_dtype"):
+    with pytest.raises(ValueError, match=r"ColwiseParallel.* on 'up'.*the ranks' inputs, as one sharded tensor, "
+                                         r"have different shapes \[\(2, 8, 16\), \(2, 6, 16\)\]"):
         model.up(piece)
     dist.barrier()

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
-from torch_tp._layouts import redistribute_to, replace_forward, same_input, to_dtensor
+from torch_tp._layouts import agreed_dtensor, redistribute_to, replace_forward, same_input, to_dtensor
 from torch_tp._module_state import ensure_state, state_of
 from torch_tp.parallel import rules
 
@@ -116,7 +116,10 @@ def share_gather(members: list[nn.Linear], where: str) -> list[SharedGather]:
 
 def _colwise_forward(module, x, *, device_mesh: DeviceMesh, layout: Shard, group_name: str, module_path):
     raw = rules.require_first_input((x,), module, module_path, "ColwiseParallel")
-    x = raw if isinstance(raw, DTensor) else DTensor.from_local(raw, device_mesh, (layout,), run_check=False)
+    # a plain input is this rank's shard: the ranks agree on the whole tensor's shape before the
+    # ring sends pieces whose sizes come from it (different sizes abort gloo mid-ring)
+    what = f"ColwiseParallel(overlap=True) on {rules.describe(module, module_path)}"
+    x = raw if isinstance(raw, DTensor) else agreed_dtensor(raw, device_mesh, layout, what=what)
     if tuple(x.placements) == (Replicate(),):  # already gathered upstream: nothing left to fuse
         return F.linear(x, module.weight, module.bias)
     dim = rules.overlap_leading_dim(layout, x, "ColwiseParallel", module, module_path)
