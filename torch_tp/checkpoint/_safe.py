@@ -55,6 +55,8 @@ from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from torch_tp.checkpoint._errors import Fix, dcp_error, load_fix, save_fix
+
 __all__ = ["SafeFileSystemReader", "load", "save"]
 
 
@@ -82,6 +84,11 @@ def save(
     Returns:
         the checkpoint's ``Metadata``, as ``dcp.save`` returns it.
 
+    Raises:
+        CheckpointError: DCP's save failed on a rank (a directory it cannot write, a full disk):
+            every rank raises it, naming the rank and its error, with DCP's
+            ``CheckpointException`` as its cause.
+
     Example::
 
         >>> import tempfile
@@ -90,10 +97,19 @@ def save(
         >>> metadata.state_dict_metadata["w"].size
         torch.Size([2, 3])
     """
+    return _save(state_dict, checkpoint_id, process_group=process_group, what="torch_tp.checkpoint.save")
+
+
+def _save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: dist.ProcessGroup | None,
+          what: str) -> Metadata:
+    """:func:`save`, its failure raised as :class:`CheckpointError` starting with ``what``."""
     writer = _dcp_filesystem.FileSystemWriter(checkpoint_id)
     no_dist = _no_dist(process_group)
-    with _single_process_is_intended(no_dist):
-        return dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    try:
+        with _single_process_is_intended(no_dist):
+            return dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    except dcp.CheckpointException as failure:
+        raise dcp_error(failure, checkpoint_id, what, save_fix) from failure
 
 
 def load(
@@ -107,7 +123,8 @@ def load(
     Loads in place, as ``dcp.load`` does: tensors and DTensors of ``state_dict`` receive the
     saved values (resharded to their own placements), other values are replaced. The files are
     read with :class:`SafeFileSystemReader`; on failure every rank raises the error of the file
-    it could not read, or of the rank that could not, instead of DCP's ``CheckpointException``.
+    it could not read, or of the rank that could not, or a :class:`CheckpointError` naming the
+    key or shape DCP refused, instead of DCP's ``CheckpointException``.
 
     Args:
         state_dict: the state dict to fill, as for ``dcp.load``.
@@ -123,6 +140,10 @@ def load(
         RuntimeError: a data file is truncated or cannot be read, or a file of the checkpoint
             (or a folder on the way to it) is a symlink or not a regular file, refused before
             anything is read (the message names it).
+        CheckpointMismatchError: DCP refused the state dict before reading: a key the checkpoint
+            lacks, or another shape (the message names the checkpoint, the key and the shapes).
+        CheckpointError: any other failure of DCP's (the first rank's error, named). Both
+            chain DCP's ``CheckpointException`` as their cause.
 
     Example::
 
@@ -134,6 +155,12 @@ def load(
         >>> state["optim"]
         {'lr': 0.1, 'betas': (0.9, 0.95)}
     """
+    _load(state_dict, checkpoint_id, process_group=process_group, what="torch_tp.checkpoint.load")
+
+
+def _load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: dist.ProcessGroup | None,
+          what: str, fix: Fix = load_fix) -> None:
+    """:func:`load`; DCP's refusals that are not about a file raised by :func:`dcp_error` (``what``, ``fix``)."""
     reader = SafeFileSystemReader(checkpoint_id)
     no_dist = _no_dist(process_group)
     try:
@@ -142,7 +169,7 @@ def load(
     except dcp.CheckpointException as failure:
         error = reader._failure or _first_file_error(failure)
         if error is None:
-            raise
+            raise dcp_error(failure, checkpoint_id, what, fix) from failure
         raise error  # noqa: B904 (the CheckpointException stays as the context)
 
 

@@ -9,13 +9,21 @@ run resumable after a rank died at any moment:
 
 ============================  ==================================================================
 ``DIR/step-00000012/``        a complete checkpoint: renamed from ``.partial`` once every rank
-                              had written its files (``os.rename``, atomic on one filesystem)
+                              had written its files (``os.rename``, atomic on one filesystem);
+                              the step zero-padded to 8 digits, longer past 99,999,999
+                              (``step-100000000``), the newest the highest step
 ``DIR/step-00000015.partial`` being written, or left by a job that died mid-save: never loaded,
                               removed by the next save of that step
 ============================  ==================================================================
 
 :func:`latest_checkpoint` is the newest complete one; :func:`save_training_state` writes one and
-:func:`load_training_state` resumes from the newest (``keep=`` prunes the oldest). Before anything
+:func:`load_training_state` resumes from the newest (``keep=`` prunes the oldest). Every decision
+about the files is taken by every rank, compared, and agreed before any rank acts on it
+(``_directory.py``): ranks whose newest checkpoints differ (each passed another path, or
+node-local directories), a rank that sees none while others do, a directory rank 0 cannot write,
+or ranks saving different steps raise :class:`CheckpointError` on every rank at once, naming each
+rank's view; DCP's own refusals (a key missing, another shape) are raised as one named error
+too, never as DCP's traceback dump. Before anything
 is loaded, the checkpoint's parameter names, global shapes and dtypes are compared with the
 model's: another model, the same model at another size or in another dtype (bfloat16 for
 float32, int8 weights for float ones), raises :class:`CheckpointMismatchError` naming the first
@@ -41,9 +49,7 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
-import shutil
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,9 +57,26 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from torch_tp.checkpoint._safe import SafeFileSystemReader, load, save
+from torch_tp._agreement import Fact
+from torch_tp.checkpoint._directory import (
+    PARTIAL,
+    agree,
+    agree_on_partial,
+    agreed_newest,
+    checkpoint_root,
+    complete_checkpoints,
+    create_partial,
+    publish,
+    rank_of,
+    require_keep,
+    require_step,
+    step_name,
+)
+from torch_tp.checkpoint._errors import CheckpointError, CheckpointMismatchError
+from torch_tp.checkpoint._safe import _load, _save
 
 __all__ = [
+    "CheckpointError",
     "CheckpointMismatchError",
     "TrainingState",
     "latest_checkpoint",
@@ -62,25 +85,8 @@ __all__ = [
     "save_training_state",
 ]
 
-_STEP = re.compile(r"step-(\d{8})")
-_PARTIAL = ".partial"
+_SAVE, _LOAD, _READ = (f"torch_tp.checkpoint.{name}" for name in ("save_training_state", "load_training_state", "read_extra"))
 _DTYPES = "parameter_dtypes"  # each model tensor's dtype, with its storage (int8 weights): JSON
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint holds another model (or the same one at another size), or DIR is no
-    checkpoint directory; raised on every rank before anything is loaded or written.
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile() as f:
-        ...     try:
-        ...         latest_checkpoint(f.name)
-        ...     except CheckpointMismatchError as error:
-        ...         print(str(error).endswith("pass a directory (it is created if missing)"))
-        True
-    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,20 +113,22 @@ class TrainingState:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> pathlib.Path | None:
-    """The newest complete checkpoint in ``directory`` (``step-<8 digits>``), or ``None``.
+    """The newest complete checkpoint in ``directory`` (``step-<step>``, the highest step), or ``None``.
 
     Checkpoints still being written (``*.partial``) are never returned. A ``directory`` that does
-    not exist holds none; one that is a file raises :class:`CheckpointMismatchError`.
+    not exist holds none; one that is a file raises :class:`CheckpointMismatchError`. This is one
+    process's view: :func:`load_training_state` and :func:`read_extra` compare every rank's.
 
     Example::
 
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     os.makedirs(f"{d}/step-00000005"); os.makedirs(f"{d}/step-00000010.partial")
+        ...     os.makedirs(f"{d}/step-99999999"); os.makedirs(f"{d}/step-100000000")
+        ...     os.makedirs(f"{d}/step-100000005.partial")
         ...     latest_checkpoint(d).name
-        'step-00000005'
+        'step-100000000'
     """
-    steps = _complete_checkpoints(_checkpoint_root(directory))
+    steps = complete_checkpoints(checkpoint_root(directory))
     return steps[-1] if steps else None
 
 
@@ -128,7 +136,11 @@ def read_extra(directory: str | os.PathLike, *, process_group: dist.ProcessGroup
     """The ``extra`` values of the newest complete checkpoint in ``directory``, or ``None``.
 
     Reads nothing else: what a script needs before it can build the model the checkpoint holds
-    (its sizes, saved in ``extra``). Call it on every rank, as DCP's load is collective.
+    (its sizes, saved in ``extra``). Call it on every rank, as DCP's load is collective; the
+    ranks agree on the checkpoint first, as in :func:`load_training_state`.
+
+    Raises:
+        CheckpointError: the ranks' newest checkpoints differ, or DCP refused the load.
 
     Example::
 
@@ -136,11 +148,11 @@ def read_extra(directory: str | os.PathLike, *, process_group: dist.ProcessGroup
         >>> read_extra("ckpt")
         {'data_position': 12, 'model_args': {'dim': 64, 'n_layers': 2}}
     """
-    path = latest_checkpoint(directory)
+    path, _ = agreed_newest(directory, process_group, what=_READ)
     if path is None:
         return None
     state = {"extra": ""}
-    load(state, path, process_group=process_group)
+    _load(state, path, process_group=process_group, what=_READ, fix=_training_fix)
     return json.loads(state["extra"])
 
 
@@ -162,10 +174,12 @@ def save_training_state(
     never loaded, and the previous checkpoint stays the newest complete one. With ``keep``, rank 0
     then removes the oldest complete checkpoints until ``keep`` remain, the new one among them
     (each is renamed to ``.partial`` before it is removed, so one half removed is never loaded).
+    Before any rank writes, the ranks agree that they save the same step, that rank 0 created
+    the ``.partial`` and that every rank sees it (one shared directory).
 
     Args:
         directory: where checkpoints live (created if missing).
-        step: the number of steps trained so far.
+        step: the number of steps trained so far: an ``int``, 0 or more (no upper bound).
         model: the (parallelized) model; its state dict holds DTensors of its mesh.
         optimizer: its optimizer.
 
@@ -178,7 +192,11 @@ def save_training_state(
         the complete checkpoint's directory.
 
     Raises:
-        ValueError: ``keep`` is below 1 (raised on every rank before anything is written).
+        TypeError: ``step`` is not an integer (``5.0``, ``True``, ``"5"``).
+        ValueError: ``step`` is negative or ``keep`` below 1.
+        CheckpointError: rank 0 cannot create the directory, the ranks see different
+            directories or pass different steps, or DCP's save failed.
+        All are raised on every rank before anything is written.
 
     Example (one process here; a training job calls it on every rank; ``keep=2``: the two
     newest remain)::
@@ -192,35 +210,38 @@ def save_training_state(
         ...     path.name, sorted(p.name for p in pathlib.Path(d).iterdir())
         ('step-00000015', ['step-00000010', 'step-00000015'])
     """
-    _require_keep(keep)
-    root = _checkpoint_root(directory)
-    final = root / f"step-{step:08d}"
-    partial = final.with_name(final.name + _PARTIAL)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {
-        "model": model_state,
-        "optimizer": optim_state,
-        "step": step,
-        "extra": json.dumps(extra or {}, sort_keys=True),
-        _DTYPES: json.dumps(_dtypes(model_state), sort_keys=True),
-        "world_size": _world_size(process_group),
-        "rng": {f"rank{_rank(process_group)}": _rng_states()},
-    }
-    if _rank(process_group) == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a job that died mid-save
-        partial.mkdir()
-    _barrier(process_group)
-    save(state, partial, process_group=process_group)
+    rank, problem = rank_of(process_group), None
+    try:  # this rank's checks and its state (local work), agreed before any rank writes
+        step = require_step(step, what=_SAVE)
+        require_keep(keep)
+        final = checkpoint_root(directory) / step_name(step)
+        partial = final.with_name(final.name + PARTIAL)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {
+            "model": model_state,
+            "optimizer": optim_state,
+            "step": step,
+            "extra": json.dumps(extra or {}, sort_keys=True),
+            _DTYPES: json.dumps(_dtypes(model_state), sort_keys=True),
+            "world_size": _world_size(process_group),
+            "rng": {f"rank{rank}": _rng_states()},
+        }
+        if rank == 0:
+            create_partial(partial, what=_SAVE)
+    except Exception as error:
+        problem = error
+    same_step = Fact("steps differ", step, "pass the same step on every rank (the steps trained so far); nothing was saved")
+    agree(process_group, problem, [same_step], what=_SAVE)
+    agree_on_partial(partial, process_group, what=_SAVE)
+    _save(state, partial, process_group=process_group, what=_SAVE)
     _barrier(process_group)  # every rank's files are written (dcp.save wrote .metadata last)
-    if _rank(process_group) == 0:
-        if final.exists():  # saved again after a resume from an older step: replace it whole
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_directory(root)
-        if keep is not None:
-            _prune(root, keep, final)
-    _barrier(process_group)
+    problem = None
+    if rank == 0:
+        try:
+            publish(partial, final, keep, what=_SAVE)
+        except Exception as error:
+            problem = error
+    agree(process_group, problem, [], what=_SAVE)
     return final
 
 
@@ -235,13 +256,19 @@ def load_training_state(
 
     Returns ``None`` (and changes nothing) when there is none. The model and the optimizer may
     be on another mesh than the one that saved them: DCP reshards every DTensor. The RNG states
-    are restored only on the world size that saved them (``rng_restored``).
+    are restored only on the world size that saved them (``rng_restored``). Call it on every
+    rank of ``process_group``: each rank picks its newest complete checkpoint, and the ranks
+    compare their choices (the step and the save that wrote it) before anything is loaded.
 
     Raises:
         CheckpointMismatchError: the checkpoint's parameters differ from the model's (a name
             missing on either side, another global shape, another dtype: float32 saved and
             bfloat16 in the model, int8 weights saved and float ones in the model, or the
-            reverse), or ``directory`` is a file.
+            reverse), DCP finds a key the checkpoint lacks (the model's extra state, another
+            optimizer's state) or another shape, or ``directory`` is a file.
+        CheckpointError: the ranks' newest checkpoints differ, or one rank sees none while the
+            others see one (each rank passed another path, or node-local directories): every
+            rank raises at once, naming each rank's choice. DCP's other failures.
 
     Example::
 
@@ -250,22 +277,20 @@ def load_training_state(
         >>> state.step, state.extra
         (12, {'data_position': 12})
     """
-    path = latest_checkpoint(directory)
+    path, saved = agreed_newest(directory, process_group, what=_LOAD)
     if path is None:
         return None
-    model_state, optim_state = get_state_dict(model, optimizer)
-    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    _check_same_model(model_state, saved, path)
-    rank, world = _rank(process_group), _world_size(process_group)
-    header = {"world_size": 0, **({_DTYPES: ""} if _DTYPES in saved else {})}  # older checkpoints: none
-    load(header, path, process_group=process_group)
+    model_state, optim_state = _agree_locally(process_group, lambda: _checked_state(model, optimizer, saved, path))
+    rank, world = rank_of(process_group), _world_size(process_group)
+    header = {"world_size": 0, **({_DTYPES: ""} if _DTYPES in saved.state_dict_metadata else {})}  # older: none
+    _load(header, path, process_group=process_group, what=_LOAD, fix=_training_fix)
     if _DTYPES in header:
-        _check_same_dtypes(_dtypes(model_state), json.loads(header[_DTYPES]), path)
+        _agree_locally(process_group, lambda: _check_same_dtypes(_dtypes(model_state), json.loads(header[_DTYPES]), path))
     same_world = header["world_size"] == world
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state, "step": 0, "extra": ""}
     if same_world:
         state["rng"] = {f"rank{rank}": _rng_states()}
-    load(state, path, process_group=process_group)
+    _load(state, path, process_group=process_group, what=_LOAD, fix=_training_fix)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if same_world:
         _set_rng_states(state["rng"][f"rank{rank}"])
@@ -273,43 +298,38 @@ def load_training_state(
                          rng_restored=same_world)
 
 
-def _checkpoint_root(directory: str | os.PathLike) -> pathlib.Path:
-    root = pathlib.Path(directory)
-    if root.exists() and not root.is_dir():
-        raise CheckpointMismatchError(
-            f"torch_tp.checkpoint: {str(root)!r} is a file, not a checkpoint directory; "
-            "pass a directory (it is created if missing)"
-        )
-    return root
+def _agree_locally(group: dist.ProcessGroup | None, check: Callable[[], Any]) -> Any:
+    """``check()`` on this rank (local work: no collective), then raise on every rank if it
+    raised on any; its value."""
+    try:
+        value, problem = check(), None
+    except Exception as error:
+        value, problem = None, error
+    agree(group, problem, [], what=_LOAD)
+    return value
 
 
-def _complete_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
-    """The complete checkpoints in ``root``, oldest first (none when ``root`` does not exist)."""
-    if not root.exists():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name))
+def _checked_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any, path: pathlib.Path) -> tuple:
+    """The model's and the optimizer's state dicts, once the model is the checkpoint's (names, shapes, dtypes)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    _check_same_model(model_state, saved.state_dict_metadata, path)
+    return model_state, optim_state
 
 
-def _require_keep(keep: int | None) -> None:
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(
-            f"torch_tp.checkpoint: save_training_state(keep={keep!r}) would keep no checkpoint; "
-            "pass keep=1 or more (the number of complete checkpoints to leave), or keep=None to keep all"
-        )
-
-
-def _prune(root: pathlib.Path, keep: int, final: pathlib.Path) -> None:
-    """Remove the oldest complete checkpoints but ``final`` until ``keep`` remain (``final`` included).
-
-    Each is renamed to ``.partial`` first: a job that dies while removing one leaves a directory
-    that is never loaded (and is removed by the next save of that step).
-    """
-    older = [p for p in _complete_checkpoints(root) if p != final]
-    for old in older[:max(len(older) - (keep - 1), 0)]:
-        doomed = old.with_name(old.name + _PARTIAL)
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.rename(old, doomed)
-        shutil.rmtree(doomed)
+def _training_fix(kind: str, key: str) -> str:
+    """What to change when DCP refuses to load a training checkpoint (``_errors.dcp_error``)."""
+    if kind == "shape":
+        return "build the model (and its optimizer) at the size that saved it, or use another checkpoint directory"
+    if kind == "other":
+        return "resume with the model and optimizer that saved it, or save the checkpoint again"
+    if key.startswith("model."):
+        return ("build the model that saved it (the same submodules, buffers and extra state), "
+                "or use another checkpoint directory")
+    if key.startswith("optimizer."):
+        return ("resume with the optimizer that saved it (the same class and options: amsgrad=True adds "
+                "max_exp_avg_sq), or use another checkpoint directory")
+    return ("save_training_state writes it, so this checkpoint was not written by save_training_state or "
+            "its .metadata was edited: save it again, or use another checkpoint directory")
 
 
 def _dtypes(model_state: dict[str, Any]) -> dict[str, str]:
@@ -346,7 +366,7 @@ def _check_same_model(model_state: dict[str, Any], saved: dict[str, Any], path: 
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or unexpected:
         raise CheckpointMismatchError(
-            f"torch_tp.checkpoint: {path} holds another model: "
+            f"{_LOAD}: {path} holds another model: "
             + "; ".join(filter(None, [
                 f"the model's {_names(missing)} not in the checkpoint" if missing else "",
                 f"the checkpoint's {_names(unexpected)} not in the model" if unexpected else "",
@@ -357,7 +377,7 @@ def _check_same_model(model_state: dict[str, Any], saved: dict[str, Any], path: 
         saved_shape = tuple(getattr(theirs[name], "size", ()))
         if saved_shape != shape:
             raise CheckpointMismatchError(
-                f"torch_tp.checkpoint: {path} holds {name} of shape {list(saved_shape)}, the model's is "
+                f"{_LOAD}: {path} holds {name} of shape {list(saved_shape)}, the model's is "
                 f"{list(shape)}: the checkpoint is of another model size; build the model it saved"
             )
     for name, value in sorted(model_state.items()):
@@ -376,7 +396,7 @@ def _check_same_dtypes(ours: dict[str, str], theirs: dict[str, str], path: pathl
 
 def _dtype_mismatch(path: pathlib.Path, name: str, saved: str, ours: str) -> NoReturn:
     raise CheckpointMismatchError(
-        f"torch_tp.checkpoint: {path} holds {name} as {saved}, the model's is {ours}: the checkpoint "
+        f"{_LOAD}: {path} holds {name} as {saved}, the model's is {ours}: the checkpoint "
         f"was saved from the model in another dtype; build the model as it was saved (its dtype, "
         f"quantized or not), load, then convert it"
     )
@@ -400,10 +420,6 @@ def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
 def _world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -411,12 +427,3 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
-
-
-def _fsync_directory(path: pathlib.Path) -> None:
-    """Make the rename durable (a crash of the machine right after keeps it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
