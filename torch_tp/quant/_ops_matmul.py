@@ -84,10 +84,18 @@ def _rows_times_weight(x2d: torch.Tensor, qdata_nk: torch.Tensor, scale_n: torch
     """``x2d @ (qdata_nk * scale_n[:, None]).t()`` computed in ``x2d.dtype`` without dequantizing."""
     scale_n = scale_n.to(x2d.dtype)
     if x2d.device.type == "cpu" and x2d.dtype in _PACKED_MM_DTYPES:
-        return aten._weight_int8pack_mm(x2d.contiguous(), qdata_nk.contiguous(), scale_n)
+        return aten._weight_int8pack_mm(_unit_last_stride(x2d), _unit_last_stride(qdata_nk), scale_n)
     # ``scale * mm``, not ``mm * scale``: inductor pattern-matches the latter (bfloat16) into
     # _weight_int8pack_mm, the kernel avoided above, and then fails to lower it (torch 2.13).
     return scale_n * torch.mm(x2d, qdata_nk.t().to(x2d.dtype))
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 along its last dim, as the CPU int8 kernel reads it. ``contiguous()``
+    alone keeps a ``(M, 1)`` view of stride ``(1, M)`` (size-1 dims count as contiguous)."""
+    if t.stride(-1) == 1 and t.is_contiguous():
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -206,6 +214,11 @@ def _mm(x: torch.Tensor, w: Int8SymmetricTensor, op: str) -> torch.Tensor:
     """``x @ w`` for a quantized ``(K, N)`` right operand (``w.t()`` of a linear weight, or the
     weight itself in ``F.linear``'s input gradient)."""
     _require_plain_input(x, op)
+    if not isinstance(w, Int8SymmetricTensor):  # the int8 tensor came in another role (addmm's added input)
+        raise NotImplementedError(
+            f"torch_tp.quant: {op} with an Int8SymmetricTensor that is not the right operand: int8 "
+            f"tensors are weights, multiplied as x @ w.t() (F.linear). Dequantize it for other roles"
+        )
     return _quantized_matmul(x, w.qdata, w.scale, w.activations)
 
 

@@ -124,6 +124,14 @@ def _require_int8_values(qdata: torch.Tensor, scale: torch.Tensor, where: str) -
         )
 
 
+def _named(error: Exception, where: str) -> Exception:
+    """``error`` as it is if its message names torch_tp, else the same type with ``where`` (the
+    module path and op) in front: every error an int8 op raises names where it comes from."""
+    if "torch_tp" in str(error) or type(error) not in (TypeError, ValueError, NotImplementedError):
+        return error
+    return type(error)(f"{where}: {error}")
+
+
 _GRAD_SETTERS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
 
 
@@ -187,15 +195,33 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        with built_from_checked_data():  # what an op builds comes from its checked operands
-            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func not in getattr(cls, "_ATEN_OP_TABLE", {}).get(cls, ()):
+            raise NotImplementedError(
+                f"torch_tp.quant.{cls.__name__}: {func} is not implemented for int8 weights (an allowlist: "
+                f"the ops docs/op_coverage.md lists, swept against the float op). For other math use "
+                f"weight.dequantize(), a float copy"
+            )
+        try:
+            with built_from_checked_data():  # what an op builds comes from its checked operands
+                return super().__torch_dispatch__(func, types, args, kwargs)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            named = _named(error, f"torch_tp.quant.{cls.__name__} ({func})")
+            if named is error:
+                raise
+            raise named from error
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _GRAD_SETTERS:
             _refuse_requires_grad(func, args, kwargs or {})
-        with built_from_checked_data():
-            return super().__torch_function__(func, types, args, kwargs)
+        try:
+            with built_from_checked_data():
+                return super().__torch_function__(func, types, args, kwargs)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            named = _named(error, f"torch_tp.quant.{cls.__name__} ({getattr(func, '__name__', func)})")
+            if named is error:
+                raise
+            raise named from error
 
     def __tensor_flatten__(self):
         """``(["qdata", "scale"], context)``; the context names this tensor's registered class
