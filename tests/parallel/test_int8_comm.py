@@ -150,3 +150,21 @@ def test_a_sequence_the_ranks_cannot_split_evenly_is_refused_on_every_rank_befor
                                          r"have different shapes \[\(2, 8, 16\), \(2, 6, 16\)\]"):
         model.up(piece)
     dist.barrier()
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.int8], ids=["float", "int8"])
+@on_ranks(2, 4)
+def test_a_batch_of_no_sequences_under_sequence_parallelism_gives_what_one_process_gives(comm_dtype):
+    # before: the Llama's attention split heads with view(..., -1, head_dim), which a tensor of
+    # 0 elements cannot infer, and int8 communication's packing failed on it
+    reference = small_llama(seed=0)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(),
+                               tensor_parallel_plan(sequence_parallel=True, comm_dtype=comm_dtype))
+    tokens = torch.zeros(0, 8, dtype=torch.long)
+    got, want = model(tokens), reference(tokens)
+    assert got.shape == want.shape == (0, 8, VOCAB)
+    got.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor() if p.grad is not None else None
+        assert grad is None or torch.equal(grad, torch.zeros_like(q)), name

@@ -144,16 +144,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen = x.shape[0], x.shape[1]
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        # heads from the features, not -1: a batch of 0 tokens has no size to infer
+        q, k, v = (self._heads(proj(x), bsz, seqlen) for proj in (self.wq, self.wk, self.wv))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, out.shape[1] * self.head_dim))
+
+    def _heads(self, projected: torch.Tensor, bsz: int, seqlen: int) -> torch.Tensor:
+        """``(B, S, heads * head_dim)`` as ``(B, S, heads, head_dim)`` (this rank's heads under TP)."""
+        return projected.view(bsz, seqlen, projected.shape[-1] // self.head_dim, self.head_dim)
 
 
 class FeedForward(nn.Module):
