@@ -374,3 +374,63 @@ def test_layers_that_read_one_input_convert_it_once_so_the_derived_plan_communic
         counts[name] = communication_of(lambda: model(tokens).square().mean().backward())[1]
         counts[name].pop("agreement checks", None)  # forward-time checks of plain inputs: the derived plan has more
     assert counts["derived"] == counts["shipped"], counts
+
+
+class _ModeBranches(nn.Module):
+    """Three MLPs: the first sums its split features in training mode only, the second in eval
+    mode only (a plan proven on one branch computes the other one wrong), the third never."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.w1, self.w2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.norm = nn.BatchNorm1d(8)  # batch statistics in training, running ones in eval
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        if self.training:
+            h = h + 0.1 * h.sum(-1, keepdim=True)
+        x = self.norm(x + self.down(h))
+        g = F.relu(self.fc1(x))
+        if not self.training:
+            g = g * g.mean(-1, keepdim=True)
+        x = x + self.fc2(g)
+        return x + self.w2(F.silu(self.w1(x)))
+
+
+@on_ranks(2)
+def test_a_model_in_eval_with_mode_dependent_code_gets_a_plan_proven_in_both_modes_that_trains_like_one_process():
+    reference = _ModeBranches().eval()
+    plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 8, 16),))
+    assert plan.modes == ("train", "eval") and str(plan).endswith("proven in train and eval mode"), str(plan)
+    assert not reference.training and not any(m.training for m in reference.modules())  # its modes restored
+    for layer, mode in (("up", "train"), ("down", "train"), ("fc1", "eval"), ("fc2", "eval")):
+        assert layer not in plan and plan.reasons[layer].startswith(f"in {mode} mode: "), str(plan)
+    assert type(plan["w1"]).__name__ == "ColwiseParallel" and type(plan["w2"]).__name__ == "RowwiseParallel", str(plan)
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)
+    model.train(), reference.train()
+    batches = [(torch.randn(2, 8, 16), torch.randn(2, 8, 16)) for _ in range(2)]
+    assert_trains_like(model, reference, batches, _mse, optimizer=SGD, what="trained after deriving in eval")
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+@on_ranks(2)
+def test_a_half_precision_mlp_gets_a_plan_compared_within_its_dtypes_tolerance():
+    from torch_tp.tools._suggest_probe import tolerance
+
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(dtype)
+        x = torch.randn(4, 8, 16, dtype=dtype)
+        plan = suggest_plan(reference, tp_mesh(), (x,))
+        assert [type(plan[n]).__name__ for n in ("0", "2")] == ["ColwiseParallel", "RowwiseParallel"], (dtype, str(plan))
+        with torch.no_grad():
+            want = reference(x)
+            got = parallelize_module(copy.deepcopy(reference), tp_mesh(), plan)(x)
+        rtol, atol = tolerance(dtype, scale=want.abs().max().item())
+        assert not torch.allclose(got, want, rtol=1e-4, atol=1e-5), "the split sums round apart: float32's tolerance refuses"
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)

@@ -14,6 +14,14 @@ that reshapes with ``-1``); otherwise they stay DTensors (``ColwiseParallel(use_
 False)``), so code written with the whole model's sizes (a ``view`` to ``n_heads`` heads)
 keeps its meaning on each rank's slice.
 
+The plan is proven in both modes, training and eval: the model is exported in each
+(:mod:`torch_tp.tools._suggest_modes`; a group of layers is split only where it is split alike
+in both graphs), and the probe compares the outputs in each mode whose graph differs, within the
+tolerance of the outputs' dtype (:mod:`torch_tp.tools._suggest_probe`). Every verdict that
+decides the next step is agreed across the ranks first (:mod:`torch_tp.tools._suggest_ranks`:
+their models' state dicts and example inputs, how the derivation ended, each probe), so every
+rank returns the same plan or raises the same error.
+
 Example::
 
     >>> # xdoctest: +SKIP("needs an initialized process group")
@@ -24,42 +32,42 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
+import hashlib
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from torch_tp.parallel import rules
 from torch_tp.tools._dataflow import Packed, Stop, rule_for
+from torch_tp.tools._suggest_modes import MODES, exported_in_each_mode, in_every_mode
+from torch_tp.tools._suggest_probe import Failure, runs_like_the_model
+from torch_tp.tools._suggest_ranks import (
+    PlanDerivationError,
+    RanksDisagreeError,
+    agree,
+    derivation_fact,
+    input_facts,
+    outcome_of,
+    probe_fact,
+    state_facts,
+)
 from torch_tp.parallel.replicate import ReplicateParallel
 from torch_tp.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = ["PlanDerivationError", "SuggestedPlan", "suggest_plan"]
+__all__ = ["PlanDerivationError", "RanksDisagreeError", "SuggestedPlan", "suggest_plan"]
 
 #: The ops a linear layer runs as, and (input, weight) positions in their arguments: an
 #: ``nn.Linear``'s ``linear(x, weight)``; transformers' ``Conv1D`` (GPT-2's linear, weight
 #: stored ``(in, out)``) runs ``addmm(bias, x.view(-1, in), weight)``.
 _LINEAR_OPS = {torch.ops.aten.linear.default: (0, 1), torch.ops.aten.addmm.default: (1, 2)}
-
-
-class PlanDerivationError(RuntimeError):
-    """The derived plan does not give the model's outputs in either form (local slices or
-    DTensors between a group's ends); raised on every rank alike, naming both failures.
-
-    Example::
-
-        >>> issubclass(PlanDerivationError, RuntimeError)
-        True
-    """
 
 
 @dataclasses.dataclass
@@ -79,7 +87,9 @@ class SuggestedPlan(dict):
 
     ``reasons`` holds a line per linear layer: why it is split, or why it stays replicated.
     ``sharded_fraction`` is the share of the model's parameter bytes that the plan splits.
-    ``str(plan)`` is a table of both.
+    ``modes`` are the modes the plan is proven in (``suggest_plan``'s: ``("train", "eval")``;
+    none for a plan built by hand). ``str(plan)`` is a table of the reasons, then a line for
+    the share and one for the modes.
 
     Example::
 
@@ -91,9 +101,10 @@ class SuggestedPlan(dict):
         50.0% of the parameter bytes split
     """
 
-    def __init__(self, styles: dict[str, ParallelStyle], *, reasons: dict[str, str], sharded_fraction: float) -> None:
+    def __init__(self, styles: dict[str, ParallelStyle], *, reasons: dict[str, str], sharded_fraction: float,
+                 modes: tuple[str, ...] = ()) -> None:
         super().__init__(styles)
-        self.reasons, self.sharded_fraction = reasons, sharded_fraction
+        self.reasons, self.sharded_fraction, self.modes = reasons, sharded_fraction, tuple(modes)
 
     def __str__(self) -> str:
         rows = [(name, type(self[name]).__name__ if name in self else "replicated", why) for name, why in self.reasons.items()]
@@ -102,7 +113,8 @@ class SuggestedPlan(dict):
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, tuple("-" * w for w in widths), *rows]]
         if not rows:
             return "no linear layer in the model: nothing to split (an empty plan)"
-        return "\n".join([*lines, f"{100 * self.sharded_fraction:.1f}% of the parameter bytes split"])
+        proven = [f"proven in {' and '.join(self.modes)} mode"] if self.modes else []
+        return "\n".join([*lines, f"{100 * self.sharded_fraction:.1f}% of the parameter bytes split", *proven])
 
 
 def suggest_plan(
@@ -124,6 +136,31 @@ def suggest_plan(
     returns it, an op mixes the positions, a layer kept whole reads it),
     :class:`PlanDerivationError` names the op.
 
+    The plan holds in training and in eval mode, whichever mode ``model`` is in (its modes are
+    restored): ``model`` is exported in each; where the two graphs differ (code that branches on
+    ``self.training``) each is derived on its own, a group of layers is split only if it is split
+    the same way in both (else it stays whole with the mode's reason), and the probe compares
+    the outputs in both modes (in training mode under one seed, dropout off).
+    ``plan.modes`` is ``("train", "eval")``.
+
+    The probe compares each output with the model's within the tolerance of its dtype,
+    ``|got - want| <= atol + rtol * |want|``: ``rtol=1e-4, atol=1e-5`` (float32 and any other
+    dtype); ``rtol=1e-3`` (float16) and ``rtol=1.6e-2`` (bfloat16), torch.testing's defaults,
+    with ``atol = 4 * eps * max|want|`` (the split sums round at the output's scale; see
+    :mod:`torch_tp.tools._suggest_probe`).
+
+    Every rank must hold the same model and the same example inputs: the ranks first agree on a
+    digest of each tensor of ``model.state_dict()`` and of each example input, and on how the
+    derivation ended (one all-gather of 8 bytes), then on each probe's verdict (one more per
+    probe), so every rank returns the same plan or raises the same error.
+
+    Raises:
+        RanksDisagreeError: on every rank, when the ranks' models or example inputs differ (it
+            names the first that differs: seed every rank alike before building the model, or
+            build it on rank 0 and broadcast it), or a step ended differently on the ranks.
+        PlanDerivationError: on every rank, when the model cannot be traced or no candidate
+            plan gives the model's outputs (it names the failures).
+
     Example::
 
         >>> # xdoctest: +SKIP("needs an initialized process group")
@@ -133,21 +170,21 @@ def suggest_plan(
     """
     if mesh.ndim != 1:
         raise ValueError(f"torch_tp.suggest_plan: a 1-D mesh is needed, got {mesh.ndim} dims: pass mesh['tp']")
-    program = _exported(model, tuple(example_inputs))
-    weights = dict(program.graph_signature.inputs_to_parameters)
-    linears = _linear_layers(model, program.graph, weights)
-    groups = _groups(program.graph, linears, weights, mesh.size())
-    tables = _embeddings(program.graph, weights)
-    stream = functools.partial(_split_stream, program.graph, linears, weights, mesh.size()) if sequence_parallel else None
-    plan = functools.partial(_plan, model, linears, groups, tables, mesh.size(), stream=stream)
-    local = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=True))
+    example_inputs = tuple(example_inputs)
+    derived, error, ended = outcome_of(lambda: _derive(model, mesh.size(), example_inputs, sequence_parallel),
+                                       lambda d: f"a candidate plan {_digest(d.first)}")
+    agree(mesh, [*state_facts(model), *input_facts(example_inputs), derivation_fact(ended)])
+    if error is not None:
+        raise error
+    probe = functools.partial(_agreed_probe, model, mesh, example_inputs, derived)
+    candidate, local = probe(local_output=True)
     if local is None:
         return candidate  # upstream's default outputs: code that reshapes with -1
-    dtensors = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=False))
+    candidate, dtensors = probe(local_output=False)
     if dtensors is None:
         return candidate  # code that reshapes with the whole model's sizes
-    while local.module is not None and _keep_whole(model, groups, local.module, f"on local slices: {local}; on DTensors: {dtensors}"):
-        local = _runs_like_the_model(model, mesh, example_inputs, candidate := plan(local_output=True))
+    while local.module is not None and _keep_whole(model, derived.groups, local.module, f"on local slices: {local}; on DTensors: {dtensors}"):
+        candidate, local = probe(local_output=True)
         if local is None:
             return candidate  # the groups whose code runs on local slices
     raise PlanDerivationError(
@@ -157,15 +194,56 @@ def suggest_plan(
 
 
 @dataclasses.dataclass
-class _Failure:
-    """Why a candidate plan did not give the model's outputs; ``module``: the innermost module
-    whose forward raised, if one did."""
+class _Derivation:
+    """What the exported graphs give: the groups, the candidate plans (``plan(local_output=...)``),
+    the modes to probe (eval only when both modes' graphs run the same ops), the first candidate."""
 
-    message: str
-    module: nn.Module | None = None
+    groups: list[_Group]
+    plan: Callable[..., SuggestedPlan]
+    probe_modes: tuple[str, ...]
+    first: SuggestedPlan
 
-    def __str__(self) -> str:
-        return self.message
+
+def _derive(model: nn.Module, ranks: int, example_inputs: tuple[Any, ...], sequence_parallel: bool) -> _Derivation:
+    """The groups of every mode's graph (:func:`in_every_mode`), the tables, the stream: no collective."""
+    programs = exported_in_each_mode(model, lambda: _exported(model, example_inputs))
+    derived, graphs = [], []
+    for modes, program in programs:
+        weights = dict(program.graph_signature.inputs_to_parameters)
+        linears = _linear_layers(model, program.graph, weights)
+        derived.append((modes, _groups(program.graph, linears, weights, ranks), set(linears.values())))
+        graphs.append((modes, program.graph, linears, weights))
+    groups = in_every_mode(derived) if len(derived) > 1 else derived[0][1]
+    tables = {table: rows for _, graph, _, weights in graphs for table, rows in _embeddings(graph, weights).items()}
+    layers = list(dict.fromkeys(name for _, _, linears, _ in graphs for name in linears.values()))
+    stream = functools.partial(_split_stream, graphs, ranks) if sequence_parallel else None
+    plan = functools.partial(_plan, model, layers, groups, tables, ranks, stream=stream)
+    return _Derivation(groups, plan, ("eval",) if len(programs) == 1 else MODES, plan(local_output=True))
+
+
+def _agreed_probe(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], derived: _Derivation, *,
+                  local_output: bool) -> tuple[SuggestedPlan, Failure | None]:
+    """The candidate plan and its probe's verdict, agreed across the ranks before any acts on it."""
+    def run() -> tuple[SuggestedPlan, Failure | None]:
+        candidate = derived.plan(local_output=local_output)
+        return candidate, runs_like_the_model(model, mesh, example_inputs, candidate, derived.probe_modes)
+
+    def describe(result: tuple[SuggestedPlan, Failure | None]) -> str:
+        candidate, failure = result
+        where = f" (raised in {type(failure.module).__qualname__})" if failure is not None and failure.module is not None else ""
+        return f"{'matched' if failure is None else failure}{where}, candidate {_digest(candidate)}"
+
+    result, error, ended = outcome_of(run, describe)
+    agree(mesh, [probe_fact("on local slices" if local_output else "on DTensors", ended)])
+    if error is not None:
+        raise error
+    return result
+
+
+def _digest(plan: SuggestedPlan) -> str:
+    """12 hex digits of SHA-256 over the plan's styles and reasons."""
+    text = "\n".join([*(f"{name}: {style!r}" for name, style in plan.items()), *map(str, plan.reasons.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _keep_whole(model: nn.Module, groups: list[_Group], failed: nn.Module, why: str) -> bool:
@@ -189,61 +267,9 @@ def _exported(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export
     except Exception as error:  # noqa: BLE001 - any tracing failure: named, with its first line
         raise PlanDerivationError(
             f"torch_tp.suggest_plan: torch.export could not trace {type(model).__name__} on the example inputs "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:300]}). The plan is derived from the traced "
-            "graph: make the forward traceable (e.g. a transformers model with config.use_cache=False), or write a plan"
+            f"({type(error).__name__}: {str(error).splitlines()[0][:300]}; in {'train' if model.training else 'eval'} mode). "
+            "The plan is derived from the graphs traced in train and in eval mode: make the forward traceable (e.g. a transformers model with config.use_cache=False), or write a plan"
         ) from error
-
-
-def _runs_like_the_model(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], plan: SuggestedPlan) -> str | None:
-    """``None`` if ``plan`` applied to a copy of ``model`` gives the model's outputs on the
-    example inputs, else what went wrong. Local slices (upstream's default outputs) suit code
-    that reshapes with ``-1``; DTensors suit code that reshapes with the whole model's sizes but
-    cannot meet plain tensors (rotary tables, masks). Every rank runs the same forward: the
-    answer is the same everywhere."""
-    from torch_tp.parallel.api import parallelize_module
-
-    if not plan:
-        return None
-    training = model.training
-    copied = None
-    try:
-        with torch.no_grad():  # in eval mode: dropout would make every run differ
-            want = model.eval()(*example_inputs)
-            copied = parallelize_module(copy.deepcopy(model), mesh, plan)
-            got = copied(*example_inputs)
-    except (RuntimeError, ValueError) as error:
-        where = None if copied is None else _raised_in(copied, error)
-        return _Failure(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", where)
-    finally:
-        model.train(training)
-    got, want = (pytree.tree_leaves(_as_tree(v)) for v in (got, want))
-    same = len(got) == len(want) and all(
-        torch.allclose(_whole(g), w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want) if isinstance(w, torch.Tensor)
-    )
-    return None if same else _Failure("its outputs differ from the model's")
-
-
-def _raised_in(model: nn.Module, error: BaseException) -> nn.Module | None:
-    """The innermost module of ``model`` whose own ``forward`` is on ``error``'s traceback and
-    holds a parallelized layer below it (not a parallelized layer itself)."""
-    holders = {id(m) for m in model.modules()
-               if any(rules.is_prepared(c) for c in m.modules() if c is not m) and not rules.is_prepared(m)}
-    found, frame = None, error.__traceback__
-    while frame is not None:
-        owner = frame.tb_frame.f_locals.get("self")
-        if frame.tb_frame.f_code.co_name == "forward" and id(owner) in holders:
-            found = owner
-        frame = frame.tb_next
-    return found
-
-
-def _as_tree(value: Any) -> Any:
-    """A model output as a pytree (transformers' ``ModelOutput`` is a dict of its fields)."""
-    return dict(value) if isinstance(value, dict) else value
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _linear_layers(model: nn.Module, graph: torch.fx.Graph, weights: dict[str, str]) -> dict[Node, str]:
@@ -444,7 +470,7 @@ _HEAD = "the model returns it"
 
 
 def _plan(
-    model: nn.Module, linears: dict[Node, str], groups: list[_Group], tables: dict[str, int], ranks: int, *,
+    model: nn.Module, layers: list[str], groups: list[_Group], tables: dict[str, int], ranks: int, *,
     local_output: bool, stream: Callable[[dict, dict], None] | None = None
 ) -> SuggestedPlan:
     styles: dict[str, ParallelStyle] = {}
@@ -479,29 +505,38 @@ def _plan(
     if stream is not None:
         stream(styles, reasons)
     _name_other_weights(model, reasons)
-    order = list(dict.fromkeys([*tables, *linears.values(), *reasons]))
+    order = list(dict.fromkeys([*tables, *layers, *reasons]))
     return SuggestedPlan(styles, reasons={n: reasons[n] for n in order if n in reasons},
-                         sharded_fraction=_sharded_fraction(model, styles))
+                         sharded_fraction=_sharded_fraction(model, styles), modes=MODES)
 
 
 _SEQUENCE = 1  # the sequence dim of (batch, sequence, features)
 
 
-def _split_stream(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, str], ranks: int,
+def _split_stream(graphs: list[tuple[tuple[str, ...], torch.fx.Graph, dict[Node, str], dict[str, str]]], ranks: int,
                   styles: dict[str, ParallelStyle], reasons: dict[str, str]) -> None:
     """Sequence parallelism on the values between the split layers (the residual stream):
     what the embeddings and ``RowwiseParallel`` layers hand on, followed through the graph
     split along the sequence; every op it meets must keep that split (the rules of
     :mod:`torch_tp.tools._dataflow`), every linear layer reading it must be
-    ``ColwiseParallel`` (it gathers the sequence), and the model must not return it. The
+    ``ColwiseParallel`` (it gathers the sequence), and the model must not return it; each
+    mode's graph (``graphs``: ``(modes, graph, linears, weights)``) must split it alike. The
     styles change in place; anything else raises :class:`PlanDerivationError`."""
-    try:
-        producers, readers, norms = _stream(graph, linears, weights, ranks, styles)
-    except Stop as why:
+    found = {}
+    for modes, graph, linears, weights in graphs:
+        try:
+            found[" and ".join(modes)] = _stream(graph, linears, weights, ranks, styles)
+        except Stop as why:
+            where = "" if len(graphs) == 1 else f" (in {' and '.join(modes)} mode)"
+            raise PlanDerivationError(
+                f"torch_tp.suggest_plan(sequence_parallel=True): the residual stream cannot be split along the sequence{where}: "
+                f"{why}. Derive the plan without sequence_parallel, or write the sequence-parallel entries yourself"
+            ) from None
+    if len(set(map(repr, found.values()))) > 1:
         raise PlanDerivationError(
-            f"torch_tp.suggest_plan(sequence_parallel=True): the residual stream cannot be split along the sequence: "
-            f"{why}. Derive the plan without sequence_parallel, or write the sequence-parallel entries yourself"
-        ) from None
+            "torch_tp.suggest_plan(sequence_parallel=True): the residual stream is split differently in train and in eval "
+            f"mode ({found}). Derive the plan without sequence_parallel, or write the sequence-parallel entries yourself")
+    producers, readers, norms = next(iter(found.values()))
     for name in producers:
         styles[name] = dataclasses.replace(styles[name], output_layouts=Shard(_SEQUENCE), use_local_output=False)
         reasons[name] += "; hands on the residual stream split along the sequence (a reduce-scatter)"
