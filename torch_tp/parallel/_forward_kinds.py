@@ -64,6 +64,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from torch_tp._layouts import agreed_dtensor, finish_output, packed_dtensor, redistribute_to, replace_forward
 from torch_tp.parallel import _int8_comm, _overlap, rules
+from torch_tp.parallel._empty_linear import flatten_empty_input, restore_empty_output
 from torch_tp.parallel._shared_input import shared_input_of
 from torch_tp.parallel._vocab_parallel import vocab_parallel_lookup
 
@@ -192,7 +193,17 @@ def _gather_then_forward(style, module, device_mesh, module_path):
         _sharded_input, device_mesh=device_mesh, layout=style.input_layouts, desired=Replicate(),
         sharded_dim_size=None, module_path=module_path, style="ColwiseParallel",
     ))
+    _empty_inputs_on_local_pieces(module)
     _colwise_output(style, module)
+
+
+def _empty_inputs_on_local_pieces(module) -> None:
+    """An input of no elements reaches an ``nn.Linear``'s own forward as 2-D, and its output gets
+    its leading dims back, on this rank's pieces (:mod:`torch_tp.parallel._empty_linear`); the
+    class's forward still runs. Registered between the input pre-hook and the output hooks."""
+    if isinstance(module, nn.Linear):
+        module.register_forward_pre_hook(flatten_empty_input)
+        module.register_forward_hook(restore_empty_output)
 
 
 def _colwise_ring(style, module, device_mesh, module_path):
@@ -235,11 +246,13 @@ def _rowwise_ring(style, module, device_mesh, module_path):
 
 def _forward_then_reduce(style, module, device_mesh, module_path):
     _rowwise_input(style, module, device_mesh, module_path)
+    _empty_inputs_on_local_pieces(module)
     module.register_forward_hook(partial(output_to, layout=style.output_layouts, use_local_output=style.use_local_output))
 
 
 def _forward_then_int8_reduce_scatter(style, module, device_mesh, module_path):
     _rowwise_input(style, module, device_mesh, module_path)
+    _empty_inputs_on_local_pieces(module)
     _int8_comm.install_rowwise_output(module, device_mesh, layout=style.output_layouts,
                                       use_local_output=style.use_local_output, module_path=module_path)
 

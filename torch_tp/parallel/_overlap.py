@@ -31,6 +31,7 @@ import torch_tp.overlap  # noqa: F401  (registers torch.ops.torch_tp.*)
 from torch_tp._layouts import agreed_dtensor, redistribute_to, replace_forward, same_input, to_dtensor
 from torch_tp._module_state import ensure_state, state_of
 from torch_tp.parallel import rules
+from torch_tp.parallel._empty_linear import empty_sequence_linear
 
 __all__ = ["SharedGather", "install_colwise", "install_rowwise", "share_gather"]
 
@@ -124,6 +125,8 @@ def _colwise_forward(module, x, *, device_mesh: DeviceMesh, layout: Shard, group
         return F.linear(x, module.weight, module.bias)
     dim = rules.overlap_leading_dim(layout, x, "ColwiseParallel", module, module_path)
     x = redistribute_to(x, Shard(dim))
+    if x.numel() == 0:  # the ring needs rows: no sequences give the empty product, nothing sent
+        return empty_sequence_linear(module, x, dim, "sharded features")
     shared = state_of(module).shared_gather
     if shared is not None:
         group, index = shared
@@ -153,6 +156,8 @@ def install_colwise(module: nn.Linear, device_mesh: DeviceMesh, *, layout: Shard
 
 def _rowwise_forward(module, x, *, layout: Shard, group_name: str, module_path, int8_comm: bool = False):
     dim = rules.overlap_leading_dim(layout, x, "RowwiseParallel", module, module_path)
+    if x.numel() == 0:  # as in _colwise_forward
+        return empty_sequence_linear(module, x, dim, "sharded sequence")
     weight = module.weight.to_local()
     if int8_comm:
         y = torch.ops.torch_tp.matmul_int8_reduce_scatter(x.to_local(), weight.t(), dim, group_name)

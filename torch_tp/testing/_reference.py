@@ -148,7 +148,8 @@ def assert_params_and_grads_match(
 ) -> None:
     """Assert every parameter (if ``params``) and gradient of ``module`` equals ``reference``'s.
 
-    Parameters are paired by name order; DTensors (on either side) are compared as full tensors.
+    Parameters are paired by name order; DTensors (on either side) are compared as full tensors;
+    NaN matches NaN at the same place (a diverging model must diverge where one process does).
 
     Example::
 
@@ -165,8 +166,10 @@ def assert_params_and_grads_match(
     whole = iter(full_tensors(wanted))
     for (name, _), _ in pairs:
         if params:
-            torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{name}: {m}")
-        torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}grad of {name}: {m}")
+            torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m: f"{prefix}{name}: {m}")
+        torch.testing.assert_close(next(whole), next(whole), rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"{prefix}grad of {name}: {m}")
 
 
 def _dequantized(value: torch.Tensor | None) -> torch.Tensor | None:
@@ -289,12 +292,12 @@ def _training_step(module, reference, inputs, targets, loss_fn, *, rtol, atol, p
     ref_out = reference(inputs)
     expected = ref_out if expected_output is None else expected_output(ref_out)
     torch.testing.assert_close(
-        _full(out), _full(expected), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}output: {m}"
+        _full(out), _full(expected), rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{prefix}output: {m}"
     )
     loss, ref_loss = loss_fn(out, targets), loss_fn(ref_out, targets)
     expected_loss = ref_loss if expected_output is None else loss_fn(expected, targets)
     torch.testing.assert_close(
-        _full(loss), _full(expected_loss), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}loss: {m}"
+        _full(loss), _full(expected_loss), rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{prefix}loss: {m}"
     )
     trainable = (_full(loss).requires_grad, ref_loss.requires_grad)
     assert trainable[0] == trainable[1], f"{prefix}loss: requires_grad {trainable[0]}, one process's {trainable[1]}"
