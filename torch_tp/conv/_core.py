@@ -18,6 +18,9 @@ Every handler module (``sharded_conv``, ``transposed_conv``, ``batch_norm``, ``g
 | :func:`merge_moments` | Chan's parallel merge of per-rank (count, mean, centred sum of squares) rows |
 | :func:`compute_dtype` | float32 for half types, the dtype itself for float32 / float64 |
 | :func:`expand` | an int or per-dim list (``kernel_size``, ``stride``, ...) as one entry per spatial dim |
+| :func:`contiguous_stride` | the strides of a contiguous tensor of a shape |
+| :func:`written_into` | a write through a slice or select of the strips, out of place (``y[..., :2].zero_()``) |
+| :class:`UnsupportedSpatialOpError` | the refusal of an op on strips (the region guard's, and a handler's inside a spatial model) |
 """
 
 from __future__ import annotations
@@ -29,20 +32,26 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from torch_tp._layouts import shard_bounds
+
 __all__ = [
     "CONV_ARGS",
     "CONV_BACKWARD_ARGS",
     "SpatialLayout",
+    "UnsupportedSpatialOpError",
     "bind",
     "check_replicated",
     "compute_dtype",
+    "contiguous_stride",
     "expand",
     "local",
     "merge_moments",
     "partial_where_sharded",
     "spatial_layout",
+    "WRITABLE_VIEWS",
     "without_partials",
     "wrap",
+    "written_into",
 ]
 
 
@@ -66,7 +75,13 @@ def bind(args: tuple, kwargs: Optional[dict], names: Sequence[str]) -> list:
     return values
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a dim of size 0 counts as 1).
+
+    Example:
+        >>> contiguous_stride((2, 3, 4))
+        (12, 4, 1)
+    """
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
@@ -83,7 +98,7 @@ def wrap(local_tensor: torch.Tensor, mesh: Any, placements: Sequence[Any], shape
         >>> y.shape, y.placements
         (torch.Size([2, 5, 8, 30]), (Shard(dim=3),))
     """
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local_tensor.dtype)
+    meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), local_tensor.dtype)
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local_tensor, spec, requires_grad=False)
 
@@ -192,6 +207,86 @@ def merge_moments(rows: torch.Tensor) -> torch.Tensor:
     mean = (n_r * means).sum(0) / n.clamp_min(1)
     m2 = m2s.sum(0) + (n_r * (means - mean) ** 2).sum(0)
     return torch.cat([n.reshape(1), mean, m2])
+
+
+class UnsupportedSpatialOpError(NotImplementedError):
+    """An op a spatial model ran on its strips that torch_tp cannot prove correct there.
+
+    Defined here, beside the handlers that raise it too (``torch_tp.conv.pointwise``); public as
+    ``torch_tp.conv.UnsupportedSpatialOpError``.
+
+    Example::
+
+        >>> raise UnsupportedSpatialOpError("torch_tp.conv: aten.sort.default in 'net' ...")
+        Traceback (most recent call last):
+        ...
+        torch_tp.conv.UnsupportedSpatialOpError: torch_tp.conv: aten.sort.default in 'net' ...
+    """
+
+
+UnsupportedSpatialOpError.__module__ = "torch_tp.conv"  # its public name (tracebacks, pickling)
+
+
+# --------------------------------------------------------------------------------------------
+# A write through a view of the strips
+# --------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+#: The views :func:`written_into` writes through.
+WRITABLE_VIEWS = frozenset({_aten.slice.Tensor, _aten.select.int, _aten.alias.default, _aten.detach.default})
+
+
+def written_into(parent: DTensor, op: Any, args: tuple, kwargs: dict, value: DTensor) -> Optional[DTensor]:
+    """``parent`` with the elements of its view ``op(parent, *args, **kwargs)`` replaced by ``value``
+    (the view's shape), out of place; ``None`` for a view or placement it cannot write through.
+
+    ``op`` is one of :data:`WRITABLE_VIEWS`, ``parent`` is ``Shard(d)`` or ``Replicate()`` on a 1-D
+    mesh. Autograd sees each rank's strip cloned with the rank's part of ``value`` written in: the
+    gradient of ``value`` is a ``Partial`` sum of the ranks' parts (``Replicate()`` for a replicated
+    ``parent``), the overwritten elements of ``parent`` get none. Every rank writes (an empty
+    piece where its strip holds none of the view), so every rank's backward runs the same collectives.
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> y2 = written_into(y, aten.slice.Tensor, (3, 0, 2), {}, torch.zeros_like(y[..., :2]))
+        >>> y.copy_(y2)   # what y[..., :2].zero_() means, on the strips
+    """
+    mesh = parent.device_mesh
+    if op not in WRITABLE_VIEWS or mesh.ndim != 1 or type(parent.placements[0]) not in (Shard, Replicate):
+        return None
+    d = parent.placements[0].dim % parent.ndim if isinstance(parent.placements[0], Shard) else None
+    lo, hi = shard_bounds(parent.shape[d], mesh.size())[mesh.get_local_rank()] if d is not None else (0, 0)
+    whole = value.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial() if d is not None else Replicate()])
+    local = parent.to_local().clone()
+    whole = whole.to(local.dtype)
+    if op in (_aten.alias.default, _aten.detach.default):
+        local = whole.narrow(d, lo, hi - lo).clone() if d is not None else whole.clone()
+    else:
+        k, start, stop, step, whole = _as_slice(parent, op, args, kwargs, whole)
+        lo, hi = (lo, hi) if k == d else (0, parent.shape[k])
+        first = start + max(0, -(-(lo - start) // step)) * step  # the view's first element in the strip
+        last = max(first, min(stop, hi))
+        index = [slice(None)] * parent.ndim
+        index[k] = slice(first - lo, last - lo, step)
+        local[tuple(index)] = whole.narrow(k, min((first - start) // step, whole.shape[k]), len(range(first, last, step)))
+    return DTensor.from_local(local, mesh, parent.placements, run_check=False, shape=parent.shape,
+                              stride=contiguous_stride(parent.shape))
+
+
+def _as_slice(parent: DTensor, op: Any, args: tuple, kwargs: dict, whole: torch.Tensor) -> tuple:
+    """``(dim, start, stop, step, value)`` of a slice or select, bounds clamped as Python's (a select
+    is a slice of one, its value given the dim back)."""
+    if op is _aten.select.int:
+        k, i = bind(args, kwargs, ("dim", "index"))
+        k = k % parent.ndim
+        i = i % parent.shape[k]
+        return k, i, i + 1, 1, whole.unsqueeze(k)
+    k, start, stop, step = bind(args, kwargs, ("dim", "start", "end", "step"))
+    k = (k or 0) % parent.ndim
+    size = parent.shape[k]
+    start, stop = (default if b is None else max(0, min(size, b if b >= 0 else b + size))
+                   for b, default in ((start, 0), (stop, size)))
+    return k, start, stop, step or 1, whole
 
 
 # --------------------------------------------------------------------------------------------

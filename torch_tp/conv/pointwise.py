@@ -44,6 +44,21 @@ unevenly sharded one first, correct but the whole activation), the convolution h
 input gradient comes back ``Replicate()`` (DTensor adds the mean's replicated gradient to the
 shard by replicating); its values are right.
 
+One in-place op more, of the derivatives rather than the activations: ``masked_fill_(mask, 0)`` on a
+``Partial`` sum, which ``std``/``std_mean`` and ``linalg.vector_norm`` (any ``ord`` but 2) run in
+their backward (``(grad / result).masked_fill_(result == 0, 0)``) when the gradient reaching them
+is a partial sum (a reduction over the strips broadcast back onto them, ``x * x.std(-1, True)``).
+DTensor refuses it (an in-place op would need the sum first); zeroing every rank's summand zeroes
+the sum, so :func:`masked_zero_handler` runs it on the local summands and keeps ``Partial``. Any
+other fill value on a partial sum is not linear: DTensor's refusal outside a spatial model, a
+named :class:`~torch_tp.conv.UnsupportedSpatialOpError` inside one.
+
+And ``sum(dim=[], keepdim=True)`` (every dim summed), which the derivatives of ``amax``/``amin``
+over every dim and of a whole-tensor norm of ``ord=inf``/``-inf`` run to count the maxima
+(``grad / (x == result).sum(dim, True)``): on a sharded input torch 2.13's DTensor sums nothing
+for an empty ``dim`` (a wrong gradient, silently); :func:`sum_every_dim_handler` names every dim.
+(``mean`` with ``dim=[]`` is :mod:`torch_tp.conv.global_mean`'s.)
+
 ``nn.LogSigmoid`` is not covered: its ``log_sigmoid_forward`` returns a buffer that is the
 input's shape on CPU but empty on CUDA, which no one pointwise rule fits.
 
@@ -65,10 +80,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torch_tp.conv._core import without_partials, wrap
+from torch_tp.conv import _registry
+from torch_tp.conv._core import UnsupportedSpatialOpError, bind, local, without_partials, wrap
 from torch_tp.conv._registry import Decline, HandlerSet
 
-__all__ = ["POINTWISE_OPS", "install", "is_installed", "pointwise_handler", "sharded_pointwise", "uninstall"]
+__all__ = ["POINTWISE_OPS", "install", "is_installed", "masked_zero_handler", "pointwise_handler", "sharded_pointwise",
+           "sum_every_dim_handler", "uninstall"]
 
 aten = torch.ops.aten
 
@@ -150,6 +167,61 @@ def pointwise_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(outs, tuple):
         return tuple(wrap(o, ref.device_mesh, ref.placements, ref.shape) for o in outs)
     return wrap(outs, ref.device_mesh, ref.placements, ref.shape)
+
+
+@HANDLERS.implements(aten.masked_fill_.Scalar, aten.masked_fill_.Tensor)
+def masked_zero_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor handler for ``masked_fill_(mask, 0)`` on a ``Partial`` sum (or mean): the local summands
+    are zeroed where ``mask`` (replicated) holds, and the result stays ``Partial``.
+
+    Everything else is DTensor's (:class:`~torch_tp.conv._registry.Decline`), except a fill of a
+    partial sum with another value inside a spatial model: refused, naming the op.
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group; a spatial model or install() routes the op here")
+        >>> g = masked_zero_handler(aten.masked_fill_.Scalar, (grad_partial, mask_replicated, 0), {})
+        >>> g.placements
+        (Partial(sum),)
+    """
+    self, mask, value = bind(args, kwargs, ("self", "mask", "value"))
+    if not isinstance(self, DTensor) or not any(p.is_partial() for p in self.placements):
+        raise Decline
+    zero = (value == 0) if not isinstance(value, torch.Tensor) else bool((local(value) == 0).all())
+    replicated = isinstance(mask, DTensor) and mask.device_mesh == self.device_mesh and all(
+        isinstance(p, Replicate) for p in mask.placements)
+    linear = all(getattr(p, "reduce_op", None) in ("sum", "avg") for p in self.placements if p.is_partial())
+    if zero and replicated and linear:
+        self.to_local().masked_fill_(mask.to_local(), 0)
+        return self
+    if not _registry.scope_active():
+        raise Decline
+    raise UnsupportedSpatialOpError(
+        f"torch_tp.conv.pointwise: {op_call} fills a partial sum {self.placements} in place inside a spatial "
+        f"model, with value {value!r} and a mask of placements {getattr(mask, 'placements', 'plain')}: only a "
+        f"zero fill with a replicated mask leaves the sum right. Use the out-of-place "
+        f"torch.where(mask, value, x) (DTensor reduces the sum first)"
+    )
+
+
+def _no_dims(args: tuple, kwargs: dict) -> bool:
+    dims = bind(args, kwargs, ("self", "dim"))[1]
+    return dims is not None and not len(dims)
+
+
+@HANDLERS.implements(aten.sum.dim_IntList, when=_no_dims)
+def sum_every_dim_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor handler for ``sum(x, dim=[])`` (every dim summed, as the op defines it): the same sum
+    with every dim named, which DTensor's reduction rule sums right on shards.
+
+    Example:
+        >>> # xdoctest: +SKIP("needs a process group; a spatial model or install() routes the op here")
+        >>> sum_every_dim_handler(aten.sum.dim_IntList, (x_sharded, [], True), {}).placements
+        (Partial(sum),)
+    """
+    x, _, keepdim, dtype = bind(args, kwargs, ("self", "dim", "keepdim", "dtype"))
+    if not isinstance(x, DTensor):
+        raise Decline
+    return op_call(x, list(range(x.ndim)), bool(keepdim), dtype=dtype)
 
 
 install, uninstall, is_installed, sharded_pointwise = HANDLERS.public_functions("sharded_pointwise", "pointwise")

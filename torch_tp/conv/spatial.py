@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import sys
+import weakref
 from functools import partial
 from typing import Any, ClassVar
 
@@ -248,7 +250,9 @@ def _require_runnable_input(module: nn.Module, x: torch.Tensor, where: str, sets
         )
 
 
-def _spatial_input(module, args, *, device_mesh, input_layout, dim, module_path, sets):
+def _spatial_input(module, args, *, device_mesh, input_layout, dim, module_path, sets, region=False):
+    if not region:
+        _watch_left_out_norms(module, module_path, dim)
     x = rules.require_first_input(args, module, module_path, _STYLE)
     where = rules.describe(module, module_path)
     _require_runnable_input(module, x, where, sets)
@@ -264,6 +268,88 @@ def _spatial_input(module, args, *, device_mesh, input_layout, dim, module_path,
     return (redistribute_to(x, desired), *args[1:])
 
 
+# ---------------------------------------------------------------------------- norms left out of a plan
+
+# A per-layer plan ({"0": SpatialParallel(dim=3), "2": ...}) hands each layer's Shard(dim) output to
+# the next module. A normalization the plan left out between them would run on the strips without
+# the spatial handlers: DTensor refuses its plain weight or running statistics without naming the
+# module (or a norm without them computes the statistics of its strip). So the first forward of a
+# layer finds the module the plan was applied to (on the call stack: the module whose submodule at
+# the layer's path is the layer) and gives each normalization under it that no style prepared a
+# forward pre-hook refusing a sharded input it cannot run on (see _strips_break), naming its path and
+# the plan entry to add.
+
+_NORM_STATISTICS = (*SPATIAL_BATCHNORMS, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                    nn.InstanceNorm3d, nn.GroupNorm)  # statistics over the spatial dims
+_NORMS = (*_NORM_STATISTICS, nn.LayerNorm, nn.RMSNorm)
+_LOOKED: weakref.WeakSet = weakref.WeakSet()  # layers whose plan root was looked for
+_WATCHED: weakref.WeakSet = weakref.WeakSet()  # plan roots whose left-out norms are watched
+
+
+@torch._dynamo.disable(reason="torch_tp.conv: looking for the plan's module on the call stack")
+def _watch_left_out_norms(layer: nn.Module, module_path: str | None, dim: int) -> None:
+    if not module_path or layer in _LOOKED:
+        return
+    _LOOKED.add(layer)
+    root = _plan_root(layer, module_path)
+    if root is None or root in _WATCHED:
+        return
+    _WATCHED.add(root)
+    prepared: list[str] = []
+    for path, module in root.named_modules():
+        if rules.is_prepared(module) or any(path.startswith(f"{p}.") for p in prepared):
+            prepared.append(path)
+        elif isinstance(module, _NORMS):
+            module.register_forward_pre_hook(partial(_refuse_left_out_norm, path=path, dim=dim))
+
+
+def _plan_root(layer: nn.Module, module_path: str) -> nn.Module | None:
+    """The innermost module being called whose submodule ``module_path`` is ``layer``."""
+    call = nn.Module._call_impl.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self") if frame.f_code is call else None
+        if isinstance(caller, nn.Module) and caller is not layer:
+            try:
+                if caller.get_submodule(module_path) is layer:
+                    return caller
+            except AttributeError:
+                pass
+        frame = frame.f_back
+    return None
+
+
+def _strips_break(module: nn.Module, x: DTensor) -> bool:
+    """Whether ``module`` (a norm) cannot run on ``x``'s strips with DTensor's own rules: it holds plain
+    tensors (refused, unnamed), or its statistics span the sharded dim (BatchNorm, InstanceNorm and
+    GroupNorm always span the spatial dims; a LayerNorm or RMSNorm its ``normalized_shape``)."""
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    if any(not isinstance(t, DTensor) for t in own) or isinstance(module, _NORM_STATISTICS):
+        return True
+    sharded = [p.dim % x.ndim for p in x.placements if isinstance(p, Shard)]
+    return any(d >= x.ndim - len(module.normalized_shape) for d in sharded)
+
+
+def _refuse_left_out_norm(module: nn.Module, args: Any, *, path: str, dim: int) -> None:
+    x = args[0] if args else None
+    if not isinstance(x, DTensor) or not any(isinstance(p, Shard) for p in x.placements) or not _strips_break(module, x):
+        return
+    where = rules.describe(module, path)
+    if isinstance(module, SPATIAL_BATCHNORMS + SPATIAL_GROUPNORMS):
+        fix = (f"Add {path!r}: {_STYLE}(dim={dim}) to the plan (BatchNorm and GroupNorm take the "
+               f"statistics of the whole image there)")
+    else:
+        parent = path.rpartition(".")[0]
+        fix = (f"{_STYLE} runs nn.{type(module).__name__} only inside a region: give the block that holds "
+               f"it one entry, {parent!r}: {_STYLE}(dim={dim}), instead of entries for its layers")
+    raise ValueError(
+        f"torch_tp.conv.spatial: {where} is not in the plan, but its input is the spatially sharded "
+        f"{tuple(x.placements)} output of the {_STYLE} layers beside it; without the spatial handlers it "
+        f"cannot normalize strips like the whole image. {fix}, or make the whole model one region: "
+        f"parallelize_module(model, mesh, {_STYLE}(dim={dim}))"
+    )
+
+
 def _spatial_output(module, inputs, output, *, layout, use_local_output):
     return finish_output(redistribute_to(output, layout), use_local_output)
 
@@ -275,7 +361,7 @@ def _spatial_output(module, inputs, output, *, layout, use_local_output):
 def _region_input(module, args, **where):
     x = args[0] if args else None
     ensure_state(module).spatial_plain_inputs.append((not isinstance(x, DTensor), getattr(x, "ndim", 0)))
-    return _spatial_input(module, args, **where)
+    return _spatial_input(module, args, region=True, **where)
 
 
 def _whole(value: DTensor) -> DTensor:
@@ -328,7 +414,8 @@ class SpatialParallel(ParallelStyle):
     ``forward``, timm's ``BatchNormAct2d``, is refused there: run it inside a region). The
     output stays a ``Shard(dim)`` DTensor for the next layer. Other layers (pooling,
     upsampling: a region runs them) are refused with :class:`~torch_tp.UnsupportedModuleError`
-    naming the module path.
+    naming the module path. A normalization that such a per-layer plan leaves out, between its
+    layers, is refused at its first sharded input, naming its path and the plan entry to add.
 
     A plain-tensor input is this rank's ``torch.chunk`` slice (the global size is gathered,
     so uneven slices work) or, with ``input_layouts=Replicate()``, the full input. The
