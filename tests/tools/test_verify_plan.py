@@ -75,6 +75,19 @@ def test_an_int8_llama_verifies_with_its_weights_compared_dequantized():
     assert report.ok and report.compared > 50
 
 
+def _w8a8_llama():
+    return quantize_weights(small_llama(), embeddings=False, activations="int8")
+
+
+@on_ranks(2)
+def test_a_right_w8a8_plan_outside_the_default_tolerance_gets_the_hint_and_passes_within_the_rounding():
+    # before: the report listed output and gradient differences with no word on W8A8
+    report = verify_plan(_w8a8_llama, tp_mesh(), tensor_parallel_plan(), _tokens, steps=1, raise_on_mismatch=False)
+    assert not report.ok
+    assert "the model holds W8A8 weights" in str(report) and "atol/rtol of about 1e-2" in str(report), str(report)
+    assert verify_plan(_w8a8_llama, tp_mesh(), tensor_parallel_plan(), _tokens, steps=1, atol=1e-2, rtol=1e-2).ok
+
+
 # ------------------------------------------------------------- wrong ones are caught
 
 

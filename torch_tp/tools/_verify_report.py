@@ -122,6 +122,8 @@ class VerificationReport:
     worst_name: str
     atol: float
     rtol: float
+    #: What the report adds about the model, shown under the findings (e.g. W8A8's tolerance).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -185,6 +187,7 @@ def _format_report(report: VerificationReport) -> str:
         lines.append(f"... and {count - _MAX_ROWS} more (report.findings lists them all)")
     kinds = [kind for kind in _KIND_ORDER if any(f.kind == kind for f in report.findings)]
     lines += ["", "what they mean and what to change:"] + [f"- {kind}: {_HINTS[kind]}" for kind in kinds]
+    lines += [f"- note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 

@@ -153,7 +153,7 @@ def verify_plan(
         run.compare_structure()
         ran = run.train(example_inputs, steps, seed)
         run.evaluate(ran, _inputs_of_step(example_inputs, ran, seed), seed)
-    report = _agreed_report(found, mesh, ran, atol, rtol)
+    report = _agreed_report(found, mesh, ran, atol, rtol, notes=_notes(reference))
     if raise_on_mismatch and not report.ok:
         raise AssertionError(str(report))
     return report
@@ -543,7 +543,19 @@ def _digest(args: tuple) -> str:
 # ---------------------------------------------------------------- the one report
 
 
-def _agreed_report(found: _RankFindings, mesh: DeviceMesh, steps: int, atol: float, rtol: float) -> VerificationReport:
+def _notes(reference: nn.Module) -> tuple[str, ...]:
+    """What a report with findings should add about the model itself (the same on every rank)."""
+    w8a8 = [name for name, p in reference.named_parameters() if getattr(p, "activations", None) == "int8"]
+    if not w8a8:
+        return ()
+    return (f"the model holds W8A8 weights ({w8a8[0]}{' and more' if len(w8a8) > 1 else ''}): a RowwiseParallel "
+            f"W8A8 layer quantizes each rank's slice of the features with its own per-token scale, so it is "
+            f"not bit-equal to one process (docs/quantization.md, W8A8). A right plan differs within the "
+            f"activation rounding: pass atol/rtol of about 1e-2, or compare the weight-only model",)
+
+
+def _agreed_report(found: _RankFindings, mesh: DeviceMesh, steps: int, atol: float, rtol: float,
+                   notes: tuple[str, ...] = ()) -> VerificationReport:
     """Gather every rank's findings (one object all-gather) and merge them into one report."""
     payload = (list(found.findings.values()), found.compared, found.worst, found.input_digests)
     gathered: list = [payload]
@@ -562,4 +574,5 @@ def _agreed_report(found: _RankFindings, mesh: DeviceMesh, steps: int, atol: flo
         worst_name=worst_name,
         atol=atol,
         rtol=rtol,
+        notes=notes,
     )
