@@ -5,11 +5,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from torch_tp import parallelize_module
 from torch_tp.models.llama import tensor_parallel_plan
-from torch_tp.testing import TOL, on_ranks, rank, small_llama, small_llama_args, tp_mesh
+from torch_tp.testing import TOL, on_ranks, rank, small_llama, small_llama_args, tp_mesh, world_size
 
 VOCAB = small_llama_args().vocab_size
 MAX_NORM = 0.05
@@ -59,3 +60,24 @@ def test_replicated_unplanned_params_are_broadcast_from_src_data_rank():
     torch.nn.init.constant_(model.norm.weight, float(rank()))
     parallelize_module(model, tp_mesh(), tensor_parallel_plan(), replicate_unplanned_params=True)
     assert model.norm.weight.to_local()[0].item() == 0.0  # rank 0's value on every rank
+
+
+@on_ranks(2, 4)
+def test_replicate_of_a_container_whose_children_hold_plain_parameters_names_them_on_a_dtensor_input():
+    # before: a Partial input reached the plain LayerNorm inside and failed in DTensor's words
+    from torch.distributed.tensor import Partial
+
+    from torch_tp.parallel.replicate import replicate
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    reference = copy.deepcopy(block)
+    replicate(block, tp_mesh(), module_path="head")
+    x = torch.randn(2, 4)
+    partial = DTensor.from_local(x / world_size(), tp_mesh(), [Partial()])
+    with pytest.raises(ValueError, match=r"torch_tp.parallel.replicate on 'head' .*'head.0' still holds plain "
+                                         r"parameters \('weight'\).*replicate_unplanned_params=True"):
+        block(partial)
+    for child in block:  # what the message says to do: replicate each descendant too
+        replicate(child, tp_mesh())
+    torch.testing.assert_close(block(partial), reference(x), **TOL)

@@ -232,6 +232,28 @@ def replicate(
     _reduce_gradients_in_backward(module.parameters(recurse=False))
     if rules.is_prepared(module):
         return module  # its inputs/outputs are already converted by its style
+    module.register_forward_pre_hook(partial(_children_take_dtensors, module_path=module_path))
     _install_replicated_hooks(module, ReplicateParallel(), device_mesh, module_path)
     rules.mark_prepared(module, rules.BOTH_STAGES, "replicate")
     return module
+
+
+def _children_take_dtensors(module, args, *, module_path):
+    """``replicate`` keeps DTensor inputs as DTensors, and replicates only the module's own
+    parameters: a descendant still holding plain parameters would meet them in DTensor's words
+    ("mixed torch.Tensor and DTensor"). Named here instead, before the forward runs."""
+    if next(module.children(), None) is None or torch.compiler.is_compiling():
+        return None  # a leaf has no descendants; a traced forward was checked when it ran eagerly
+    if not any(isinstance(a, DTensor) for a in args):
+        return None
+    for name, child in module.named_modules():
+        plain = [n for n, p in child.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if child is not module and plain:
+            where = f"{module_path}.{name}" if module_path else name
+            raise ValueError(
+                f"torch_tp.parallel.replicate on {rules.describe(module, module_path)}: it got a DTensor input, "
+                f"which it passes on as a DTensor, but {where!r} still holds plain parameters ({plain[0]!r}): "
+                f"replicate only covers a module's own parameters. Replicate each descendant too "
+                f"(parallelize_module(..., replicate_unplanned_params=True) does), or give {where!r} a style"
+            )
+    return None
