@@ -63,7 +63,6 @@ def test_property_a_finite_row_is_quantized_by_the_plain_symmetric_rule(rows):
     want_scale = torch.where(amax / QMAX > 0, amax / QMAX, 1.0)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q, torch.clamp(torch.round(x / want_scale), -QMAX, QMAX).to(torch.int8))
-    assert int(q.min(), ) >= -QMAX if q.numel() else True
 
 
 @given(_ROWS.filter(lambda a: a.ndim >= 2))
@@ -116,12 +115,11 @@ class _MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-_PLANS = {
-    "int8": lambda overlap: {
+def _int8_plan(overlap: bool) -> dict:
+    return {
         "up": ColwiseParallel(input_layouts=Shard(1), comm_dtype=torch.int8, overlap=overlap),
         "down": RowwiseParallel(output_layouts=Shard(1), comm_dtype=torch.int8, overlap=overlap),
-    },
-}
+    }
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["unfused", "overlap"])
@@ -132,7 +130,7 @@ def test_a_nan_or_inf_token_under_int8_communication_gives_what_one_process_give
     # NaN where one process has them. The finite values: within the int8 rounding.
     torch.manual_seed(0)
     reference = _MLP()
-    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), _PLANS["int8"](overlap))
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), _int8_plan(overlap))
     ranks, me = world_size(), rank()
     x = _with_non_finite(torch.randn(2, 2 * ranks, 8))
     dy = torch.randn(2, 2 * ranks, 8)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
 from torch_tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from torch_tp.testing import RankFailure, assert_trains_like, local_chunk, run_on_ranks
+from torch_tp.testing import RankFailure, assert_trains_like, local_chunk, run_on_ranks, tp_mesh
 
 # per CI run (each is one task on a warm rank pool: well under a second); the hunt profile's own budget
 FUZZ_EXAMPLES = 12 if os.environ.get("TORCH_TP_HYPOTHESIS", "ci") == "ci" else settings.default.max_examples
@@ -135,35 +135,28 @@ def _mean_square(out, total):
 
 
 def _named(error: Exception) -> bool:
-    return isinstance(error, (ValueError, TypeError, NotImplementedError)) and "Parallel" in str(error) or \
-        "torch_tp" in str(error)
+    """A refusal by name: one of the three types, naming a torch_tp style or module."""
+    message = str(error)
+    return isinstance(error, (ValueError, TypeError, NotImplementedError)) and (
+        "Parallel" in message or "torch_tp" in message)
 
 
 def _train_case(case: Case) -> str:
     """On every rank: ``"trained"`` if the case trains like one process, else this rank's named error."""
     reference = _model(case)
     try:
-        model = parallelize_module(copy.deepcopy(reference), _mesh(), _plan(case))
+        model = parallelize_module(copy.deepcopy(reference), tp_mesh(), _plan(case))
         tolerance = dict(rtol=0.1, atol=0.1) if case.int8_comm else (
             dict(rtol=1e-4, atol=1e-5) if case.dtype == "float32" else dict(rtol=1e-10, atol=1e-10))
         strip = functools.partial(local_chunk, dim=1) if case.sequence_parallel else None
-        expected = strip
         assert_trains_like(model, reference, [(x, x.numel()) for x in (_batch(case, step) for step in range(2))], _mean_square,
                            optimizer=functools.partial(torch.optim.SGD, lr=0.05), **tolerance,
-                           module_inputs=strip, expected_output=expected, what=str(case))
-    except AssertionError:
-        raise
-    except Exception as error:
+                           module_inputs=strip, expected_output=strip, what=str(case))
+    except Exception as error:  # an AssertionError (a mismatch) is never a named refusal
         if not _named(error):
             raise
         return f"{type(error).__name__}: {str(error).split(';')[0]}"
     return "trained"
-
-
-def _mesh():
-    from torch_tp.testing import tp_mesh
-
-    return tp_mesh()
 
 
 def _run(case: Case) -> list[str]:

@@ -12,20 +12,18 @@ Found by ``tests/parallel/test_fuzz_plans.py``.
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_tp._layouts import shard_sizes
+from torch_tp._layouts import packed_dtensor, shard_sizes
 
 __all__ = ["empty_sequence_linear", "flatten_empty_input", "restore_empty_output"]
 
 
-# the leading dims of each input the pre-hook flattened, by the flattened tensor it handed on (only
-# inputs of no elements are ever here: a layer with real inputs runs its hooks without side effects,
-# which torch.compile's checkpointed regions require)
-# (by id: set by the pre-hook, popped by the hook of the same call)
+# the leading dims of each input the pre-hook flattened, by the id of the flattened tensor it handed
+# on, popped by the hook of the same call. Only inputs of no elements are ever here: a layer with
+# real inputs runs its hooks without side effects, which torch.compile's checkpointed regions require
 _LEADING: dict[int, tuple[int, ...]] = {}
 
 
@@ -40,8 +38,8 @@ def flatten_empty_input(module, args):
         >>> layer.register_forward_hook(restore_empty_output)
     """
     x = args[0] if args else None
-    if not (isinstance(x, DTensor) and x.numel() == 0 and x.ndim > 2
-            and all(p.is_replicate() or p.is_shard(x.ndim - 1) for p in x.placements)):
+    if not (isinstance(x, DTensor) and x.numel() == 0 and x.ndim > 2 and len(x.placements) == 1
+            and (x.placements[0].is_replicate() or x.placements[0].is_shard(x.ndim - 1))):
         return None
     flat = _relabelled(x, (0, x.shape[-1]))
     _LEADING[id(flat)] = tuple(x.shape[:-1])
@@ -50,19 +48,22 @@ def flatten_empty_input(module, args):
 
 def restore_empty_output(module, args, output):
     """Forward hook: the output of an input :func:`flatten_empty_input` flattened, its leading dims back."""
-    leading = _LEADING.pop(id(args[0]), None) if args and isinstance(args[0], DTensor) and args[0].numel() == 0 else None
-    if leading is None or not isinstance(output, DTensor):
+    flat = args[0] if args else None
+    if not (isinstance(flat, DTensor) and flat.numel() == 0 and isinstance(output, DTensor)):
+        return None
+    leading = _LEADING.pop(id(flat), None)
+    if leading is None:
         return None
     return _relabelled(output, (*leading, output.shape[-1]))
 
 
 def _relabelled(x: DTensor, shape: tuple[int, ...]) -> DTensor:
-    """``x`` (no elements, replicated or sharded along its last dim) as ``shape`` (same last dim), by a
-    local reshape: DTensor's own view of it may never return."""
+    """``x`` (no elements, on a 1-D mesh, replicated or sharded along its last dim) as ``shape``
+    (same last dim), by a local reshape: DTensor's own view of it may never return."""
     local = x.to_local()
-    placements = [Shard(len(shape) - 1) if p.is_shard() else p for p in x.placements]  # the last dim's, moved
-    return DTensor.from_local(local.reshape(*shape[:-1], local.shape[-1]), x.device_mesh, placements,
-                              run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    (placement,) = x.placements
+    placement = Shard(len(shape) - 1) if placement.is_shard() else placement  # the last dim's, moved
+    return packed_dtensor(local.reshape(*shape[:-1], local.shape[-1]), x.device_mesh, placement, shape)
 
 
 def empty_sequence_linear(module: nn.Linear, x: DTensor, dim: int, output: str) -> DTensor:
@@ -70,22 +71,15 @@ def empty_sequence_linear(module: nn.Linear, x: DTensor, dim: int, output: str) 
     ``output="sharded features"`` (Colwise: the gathered sequence, this rank's features) or
     ``"sharded sequence"`` (Rowwise: the summed features, this rank's chunk of the sequence).
     Nothing is sent; gradients reach ``x`` (empty ones)."""
-    local = x.to_local()
+    local, weight = x.to_local(), module.weight.to_local()
     bias = None if module.bias is None else module.bias.to_local()
     # 0, on the graph of x, the weight and the bias: the empty result's gradients (zeros) reach them
-    anchor = F.linear(local, module.weight.to_local(), bias).sum()
-    if output == "sharded features":
-        shape = (*x.shape[:-1], module.out_features)
-        features = module.weight.to_local().shape[0]
-        piece = local.new_zeros((*x.shape[:-1], features)) + anchor
-        return _labelled(piece, x, Shard(x.ndim - 1), shape)
+    anchor = F.linear(local, weight, bias).sum()
     shape = (*x.shape[:-1], module.out_features)
-    mesh = x.device_mesh
-    mine = shard_sizes(x.shape[dim], mesh.size())[mesh.get_local_rank()]  # torch.chunk's piece
-    piece = local.new_zeros((*shape[:dim], mine, *shape[dim + 1:])) + anchor
-    return _labelled(piece, x, Shard(dim), shape)
-
-
-def _labelled(local: torch.Tensor, x: DTensor, placement, shape) -> DTensor:
-    return DTensor.from_local(local, x.device_mesh, (placement,), run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    piece = list(shape)
+    if output == "sharded features":
+        placement, piece[-1] = Shard(x.ndim - 1), weight.shape[0]
+    else:
+        mesh = x.device_mesh
+        placement, piece[dim] = Shard(dim), shard_sizes(x.shape[dim], mesh.size())[mesh.get_local_rank()]
+    return packed_dtensor(local.new_zeros(piece) + anchor, x.device_mesh, placement, shape)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -124,12 +125,20 @@ def _require_int8_values(qdata: torch.Tensor, scale: torch.Tensor, where: str) -
         )
 
 
-def _named(error: Exception, where: str) -> Exception:
-    """``error`` as it is if its message names torch_tp, else the same type with ``where`` (the
-    module path and op) in front: every error an int8 op raises names where it comes from."""
-    if "torch_tp" in str(error) or type(error) not in (TypeError, ValueError, NotImplementedError):
-        return error
-    return type(error)(f"{where}: {error}")
+@contextlib.contextmanager
+def _an_op(cls: type, func) -> Iterator[None]:
+    """Around one op of the class (``__torch_dispatch__`` or ``__torch_function__``): what it
+    builds comes from its checked operands (no value scan), and an error it raises that does not
+    name torch_tp gets the module path and the op in front, the same type, chained."""
+    try:
+        with built_from_checked_data():
+            yield
+    except (TypeError, ValueError, NotImplementedError) as error:
+        if "torch_tp" in str(error) or type(error) not in (TypeError, ValueError, NotImplementedError):
+            raise
+        op = func if isinstance(func, torch._ops.OpOverload) else getattr(func, "__name__", func)  # aten.view.default
+        where = f"torch_tp.quant.{cls.__name__} ({op})"
+        raise type(error)(f"{where}: {error}") from error
 
 
 _GRAD_SETTERS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
@@ -201,27 +210,15 @@ class Int8SymmetricTensor(TorchAOBaseTensor):
                 f"the ops docs/op_coverage.md lists, swept against the float op). For other math use "
                 f"weight.dequantize(), a float copy"
             )
-        try:
-            with built_from_checked_data():  # what an op builds comes from its checked operands
-                return super().__torch_dispatch__(func, types, args, kwargs)
-        except (TypeError, ValueError, NotImplementedError) as error:
-            named = _named(error, f"torch_tp.quant.{cls.__name__} ({func})")
-            if named is error:
-                raise
-            raise named from error
+        with _an_op(cls, func):
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _GRAD_SETTERS:
             _refuse_requires_grad(func, args, kwargs or {})
-        try:
-            with built_from_checked_data():
-                return super().__torch_function__(func, types, args, kwargs)
-        except (TypeError, ValueError, NotImplementedError) as error:
-            named = _named(error, f"torch_tp.quant.{cls.__name__} ({getattr(func, '__name__', func)})")
-            if named is error:
-                raise
-            raise named from error
+        with _an_op(cls, func):
+            return super().__torch_function__(func, types, args, kwargs)
 
     def __tensor_flatten__(self):
         """``(["qdata", "scale"], context)``; the context names this tensor's registered class

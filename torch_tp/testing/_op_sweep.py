@@ -202,7 +202,7 @@ def _assert_same(got: Any, want: Any, shapes_only: bool, rtol: float, atol: floa
             assert g == w, (g, w)
 
 
-def coverage_table(result: SweepResult, ops_tried: int | None = None) -> str:
+def coverage_table(result: SweepResult) -> str:
     """The markdown table of ``result``: per outcome, the ops and cases, then every op that ran
     equal on some case (the surface's working ops) with its counts.
 
