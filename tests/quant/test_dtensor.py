@@ -92,7 +92,7 @@ def test_gradients_reach_activations_and_biases_through_sharded_quantized_layers
     torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
     for (name, p), (_, ref) in zip(sharded.named_parameters(), quantized.named_parameters()):
         if p.requires_grad:  # biases train; int8 weights are frozen
-            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **TOL, msg=name)
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **TOL, msg=_named(name))
 
 
 @on_ranks(2, 4)
@@ -190,6 +190,38 @@ def test_quantized_embedding_colwise_and_rowwise_are_bit_identical(dtype):
     row = parallelize_module(copy.deepcopy(emb), tp_mesh(), RowwiseParallel())
     torch.testing.assert_close(col(ids), emb(ids), rtol=0, atol=0)
     torch.testing.assert_close(row(ids), emb(ids), rtol=0, atol=0)  # each id lives on one rank
+
+
+def _batched_inputs_that_cannot_fold():
+    """Inputs ``F.linear`` cannot view as 2-D: matmul broadcasts the weight and calls bmm."""
+    return {"transposed 3-D": torch.randn(3, 5, 16).transpose(0, 1), "transposed 4-D": torch.randn(2, 3, 5, 16).transpose(1, 2),
+            "empty": torch.randn(0, 3, 16).transpose(0, 1)}
+
+
+def _named(case):
+    return lambda message: f"{case}: {message}"
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@on_ranks(2, 4)
+def test_quantized_layers_take_batched_inputs_that_are_not_contiguous_as_their_contiguous_copies(activations):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16))
+    quantized = copy.deepcopy(mlp)
+    for layer in (quantized[0], quantized[2]):
+        quantize_module_weight(layer, activations=activations)
+    sharded = parallelize_module(copy.deepcopy(quantized), tp_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for name, x in _batched_inputs_that_cannot_fold().items():
+        for model in (quantized, sharded):  # one process, then the ranks
+            given = x.clone().requires_grad_()  # clone keeps the strides
+            copied = x.clone(memory_format=torch.contiguous_format).requires_grad_()
+            assert not given.is_contiguous() or not given.numel()
+            out, ref = model(given), model(copied)
+            out.square().sum().backward(), ref.square().sum().backward()
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=_named(name))
+            torch.testing.assert_close(given.grad, copied.grad, rtol=0, atol=0, msg=_named(name))
+        if activations == "float":  # and the ranks as one process (summation order apart)
+            torch.testing.assert_close(sharded(x), quantized(x), **tolerance(torch.float32), msg=_named(name))
 
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=128)

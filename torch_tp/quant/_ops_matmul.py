@@ -5,6 +5,7 @@
 | ``linear`` | ``F.linear`` when it reaches dispatch undecomposed |
 | ``mm`` / ``addmm`` | ``F.linear`` decomposed (``x @ w.t()``, DTensor's local op); its input gradient (``grad @ w``) |
 | ``matmul`` | ``x @ w.t()`` in user code (decomposes to ``mm``) |
+| ``bmm`` | ``F.linear`` on a batched input that cannot fold to 2-D (non-contiguous, e.g. transposed): matmul broadcasts the weight (``expand``, ``_ops_shape.py``) and calls ``bmm``; its input gradient |
 | ``embedding`` | ``nn.Embedding`` / ``F.embedding`` |
 
 A linear layer's weight is ``(out, in)`` with one scale per output row, so
@@ -235,6 +236,22 @@ def _int8_addmm(func, types, args, kwargs):
     if alpha != 1:
         y = y * alpha
     return y + (bias if beta == 1 else bias * beta).to(y.dtype)
+
+
+@implements(aten.bmm.default)
+def _int8_bmm(func, types, args, kwargs):
+    """``x @ w`` per batch for a weight broadcast over the batch (stride 0: matmul's ``expand``
+    of a 2-D weight): one ``(B * M, K) @ (K, N)`` product, per token as the 2-D path."""
+    x, w = args[0], args[1]
+    _require_plain_input(x, "bmm")
+    if not isinstance(w, Int8SymmetricTensor) or w.qdata.stride(0) != 0 or w.scale.stride(0) != 0:
+        raise NotImplementedError(
+            f"torch_tp.quant: bmm with an Int8SymmetricTensor that is not one 2-D weight broadcast over "
+            f"the batch (x @ w.t() of a batched input); int8 tensors are weights. Dequantize it for other roles"
+        )
+    batch, rows, k = x.shape
+    y = _quantized_matmul(x.reshape(batch * rows, k), w.qdata[0], w.scale[0], w.activations)
+    return y.reshape(batch, rows, y.shape[-1])
 
 
 # A lookup multiplies nothing: the same in both activation modes.

@@ -10,6 +10,7 @@ activation mode (``activations``); ``cat`` refuses pieces whose modes differ.
 | ``cat`` | all-gather on dim != 0 (chunk + cat) |
 | ``view`` / ``_unsafe_view`` (``reshape``) | ``DTensor.from_local``, flattening; ``view(-1)`` (FSDP2) gives an ``Int8FlatView`` (``_ops_fsdp.py``) |
 | ``t`` / ``transpose.int`` | the ``F.linear`` decomposition (``x @ w.t()``) |
+| ``expand`` (new leading dims only) | ``F.linear`` on a batched input that cannot fold to 2-D: matmul broadcasts the weight for ``bmm`` (``_ops_matmul.py``) |
 | ``as_strided`` (identity only) | ``torch.compile`` returning an input's alias (``detach()``) |
 | ``constant_pad_nd`` | padding uneven shards before a scatter / all-gather |
 | ``empty_like`` / ``new_empty`` | receive buffers of scatter / broadcast |
@@ -98,6 +99,13 @@ def _resolve_shape(shape, numel: int) -> list[int]:
     return shape
 
 
+def _merges_broadcast_dims(q: Int8SymmetricTensor, shape: list[int]) -> bool:
+    """Whether ``view(shape)`` only merges or splits leading dims that are broadcast (stride 0 in
+    ``qdata`` and ``scale``: an ``expand`` for matmul's batch), keeping the matrix dims."""
+    return (q.ndim > 2 and len(shape) >= 2 and list(shape[-2:]) == list(q.shape[-2:])
+            and all(t.stride(d) == 0 for t in (q.qdata, q.scale) for d in range(q.ndim - 2)))
+
+
 def _per_row_on_dim0_only(q: Int8SymmetricTensor) -> bool:
     return q.scale_follows(0) and not any(q.scale_follows(d) for d in range(1, q.ndim) if q.shape[d] != 1)
 
@@ -112,6 +120,10 @@ def _int8_view(func, types, args, kwargs):
         # FSDP2's flat record of a shard: the same bytes, per-row scales kept, of another class
         # (return_and_correct_aliasing requires the input's; FSDP2 builds it eagerly, at init)
         return flatten(self)
+    elif _merges_broadcast_dims(self, shape):
+        # one weight broadcast over a batch (matmul of a batched input): the batch is regrouped
+        qdata = func(self.qdata, shape)
+        scale = self.scale.reshape(*shape[:-2], *self.scale.shape[-2:])
     elif _per_row_on_dim0_only(self) and shape and shape[0] == self.shape[0]:
         # per-row scale on dim 0: the features of each row may be reshaped freely
         qdata = func(self.qdata, shape)
@@ -137,6 +149,21 @@ def _int8_t(func, types, args, kwargs):
 def _int8_transpose(func, types, args, kwargs):
     self, dim0, dim1 = args
     out = self.with_data(self.qdata.transpose(dim0, dim1), self.scale.transpose(dim0, dim1))
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.expand.default)
+def _int8_expand(func, types, args, kwargs):
+    """New leading (batch) dims, the rows and their scales broadcast together (stride 0)."""
+    self, size = args[0], list(args[1])
+    new, kept = size[:len(size) - self.ndim], size[len(size) - self.ndim:]
+    if any(s not in (-1, d) for s, d in zip(kept, self.shape)) or any(s < 0 for s in new):
+        raise NotImplementedError(
+            f"torch_tp.quant.{type(self).__name__}: expand{tuple(size)} of shape {tuple(self.shape)} "
+            f"would broadcast its own dims (only new leading dims are supported: matmul's batch). "
+            f"Use weight.dequantize() for other broadcasts"
+        )
+    out = self.with_data(self.qdata.expand(*new, *self.shape), self.scale.expand(*new, *self.scale.shape))
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
