@@ -7,29 +7,37 @@ Command (spawns gloo CPU ranks, world size 2 then 4, and prints one table)::
     torchrun --nproc-per-node 4 benchmarks/agreement.py
 
 Before a collective whose sizes come from data, torch_tp runs one agreement across the group
-(``torch_tp._agreement.check_on_every_rank``: an all-gather of an 8-byte digest per rank), so a
-rank whose inputs differ raises a named error on every rank instead of aborting or hanging the
-job. Where: the plain inputs a style annotates as shards (Rowwise, SequenceParallel,
-PrepareModuleInput of a ``Shard`` layout), and every MoE routing (ids in range, one top-k,
-replicated token counts). ``torch_tp.runtime_checks(False)`` turns them off.
+(``torch_tp._agreement``: every rank's 8-byte digest), so a rank whose inputs differ raises a
+named error on every rank instead of aborting or hanging the job. Where: the plain inputs a
+style annotates as shards (Rowwise, SequenceParallel, PrepareModuleInput of a ``Shard`` layout:
+an all-gather of its own each), and every MoE routing (ids in range, one top-k, replicated
+token counts: under ``ExpertParallel`` the digest rides on the token-count all-to-all every
+rank runs anyway, no collective of its own). ``torch_tp.runtime_checks(False)`` turns them off.
 
 Each model takes the same step twice per round, checks on and off (order rotated each round):
 ``cross_entropy(model(tokens), targets)`` (MoE: plus its auxiliary loss) and its backward.
-Columns:
+On a shared 2-core machine the difference of the two medians moves by several percent from
+run to run, so the agreements' own latency is also measured apart: 200 back-to-back agreements
+(20 with ``--quick``) of a site's two facts on the same ranks, after a barrier. Columns:
 
 ``world``             ranks.
 ``model``             ``llama TP+SP`` (``torch_tp.models.llama.tensor_parallel_plan(sequence_parallel=True)``)
                       or ``MoE EP`` (``torch_tp.models.moe``, ``experts="expert"``, TP+SP around).
-``checks/step``       agreements one step runs (counted).
-``bytes/step``        bytes each rank receives for them: ``checks * 8 * world``.
+``agreements/step``   agreements one step settles (counted).
+``all-gathers/step``  those that run an all-gather of their own (the rest ride on the MoE count exchange).
+``bytes/step``        digest bytes each rank receives: ``agreements * 8 * world``.
+``check us``          median wall time of one agreement's all-gather (rank 0).
+``est. cost %``       ``all-gathers/step * check us`` as a share of the step without checks.
 ``on ms``, ``off ms`` median wall time of the step with the checks on and off (rank 0).
-``cost ms``, ``cost %``  the difference, and its share of the step without checks.
+``cost %``            ``on ms - off ms`` as a share of ``off ms`` (noisy: see above).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +60,7 @@ class Config(RunConfig):
     layers: int
     batch: int
     seq: int
+    latency_rounds: int
 
 
 def _models(config: Config) -> dict[str, tuple[torch.nn.Module, dict]]:
@@ -78,15 +87,26 @@ def _step(model, tokens, targets):
     return step
 
 
-def _counted(step) -> int:
-    calls = []
-    real = agreement._digests_agree
-    agreement._digests_agree = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        step()
-    finally:
-        agreement._digests_agree = real
-    return len(calls)
+def _counted(step) -> tuple[int, int]:
+    """(agreements settled, all-gathers of their own) in one call of ``step``."""
+    settled, gathers = agreement._AGREEMENTS[0], agreement.checks_run()
+    step()
+    return agreement._AGREEMENTS[0] - settled, agreement.checks_run() - gathers
+
+
+def _check_latency_us(group, rounds: int) -> float:
+    """Median wall time of one forward-time agreement (a site's two facts), back to back."""
+    facts = [agreement.Fact("inputs, as one sharded tensor, have different shapes", (2, 128, 256), "fix"),
+             agreement.Fact("inputs have different dtypes", "torch.float32", "fix")]
+    times = []
+    with runtime_checks(True):
+        for _ in range(5):
+            dist.barrier(group)
+            start = time.perf_counter()
+            for _ in range(rounds):
+                agreement.check_on_every_rank(group, lambda: facts, what="latency", at_runtime=True)
+            times.append((time.perf_counter() - start) / rounds * 1e6)
+    return statistics.median(times)
 
 
 def rank_main(config: Config) -> None:
@@ -108,10 +128,14 @@ def rank_main(config: Config) -> None:
             with runtime_checks(False):
                 step()
 
-        checks = _counted(step)
+        agreements, gathers = _counted(step)
         times = time_interleaved({"on": step, "off": unchecked}, config.iters, config.warmup)
         on, off = median_ms({"wall_s": [w for w, _ in times["on"]]}), median_ms({"wall_s": [w for w, _ in times["off"]]})
-        rows.append({"world": world, "model": name, "checks": checks, "bytes": checks * 8 * world, "on": on, "off": off})
+        rows.append({"world": world, "model": name, "agreements": agreements, "gathers": gathers,
+                     "bytes": agreements * 8 * world, "on": on, "off": off})
+    latency = _check_latency_us(mesh.get_group(), config.latency_rounds)
+    for row in rows:
+        row["check_us"] = latency
     if dist.get_rank() == 0:
         with open(config.result_path, "w") as f:
             json.dump(rows, f)
@@ -120,14 +144,17 @@ def rank_main(config: Config) -> None:
 def main(argv: list[str] | None = None) -> None:
     options = parse_arguments(argv, __file__, __doc__, iters=(20, 3), warmup=(3, 1), what="model",
                               quick="dim 64, 2 layers, 32 tokens")
-    sizes = dict(dim=64, layers=2, batch=1, seq=32) if options.quick else dict(dim=256, layers=4, batch=2, seq=128)
+    sizes = dict(dim=64, layers=2, batch=1, seq=32, latency_rounds=20) if options.quick else dict(
+        dim=256, layers=4, batch=2, seq=128, latency_rounds=200)
     config = Config(iters=options.iters, warmup=options.warmup, **sizes)
     rows = run_worlds(rank_main, config, options.world_sizes, "Llama TP+SP and MoE EP, checks on and off")
     print(report_header(options, agreement_checks=True, rounds=f"; dim {config.dim}, {config.layers} layers, {config.batch} x {config.seq} tokens"))
     print(markdown_table(
-        ("world", "model", "checks/step", "bytes/step", "on ms", "off ms", "cost ms", "cost %"),
-        [(str(r["world"]), r["model"], str(r["checks"]), str(r["bytes"]), f"{r['on']:.2f}", f"{r['off']:.2f}",
-          f"{r['on'] - r['off']:+.2f}", f"{100 * (r['on'] - r['off']) / r['off']:+.1f}") for r in rows],
+        ("world", "model", "agreements/step", "all-gathers/step", "bytes/step", "check us", "est. cost %",
+         "on ms", "off ms", "cost %"),
+        [(str(r["world"]), r["model"], str(r["agreements"]), str(r["gathers"]), str(r["bytes"]), f"{r['check_us']:.0f}",
+          f"{100 * r['gathers'] * r['check_us'] / 1000 / r['off']:.2f}", f"{r['on']:.2f}", f"{r['off']:.2f}",
+          f"{100 * (r['on'] - r['off']) / r['off']:+.1f}") for r in rows],
     ))
 
 

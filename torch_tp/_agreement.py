@@ -12,10 +12,17 @@ any rank enters the real collective:
   that differs, each rank's value and what to change.
 
 It costs one ``dist.all_gather`` of an 8-byte digest per rank (of this rank's facts, or of
-its error), so each rank receives ``8 * group size`` bytes. Only when the digests differ
-does one ``dist.all_gather_object`` of every rank's error and facts follow, to write the
-message. ``parallelize_module`` states its plan and its parameters' shapes; the fused ops
-state their operands' dtype, shape, dims and kinds.
+its error), so each rank receives ``8 * group size`` bytes. Where the caller runs a
+fixed-size collective before the data-dependent one anyway (MoE's token-count exchange), the
+digest rides on it instead: :func:`runtime_verdict` is this rank's side, :func:`settle`
+compares every rank's digest, and no collective of its own runs. Only when the digests
+differ does one ``dist.all_gather_object`` of every rank's error and facts follow, to write
+the message. ``parallelize_module`` states its plan and its parameters' shapes; the fused
+ops state their operands' dtype, shape, dims and kinds.
+
+A check is never skipped on the strength of an earlier one: whether a rank joins a
+collective must not depend on what that rank alone saw (a rank whose inputs changed would
+check while its peers, whose did not, went on to the data's collective, and wait there).
 
 Example::
 
@@ -39,7 +46,18 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fact", "agree_or_raise", "check_on_every_rank", "checks_run", "digest_device", "runtime_checks", "runtime_checks_enabled"]
+__all__ = [
+    "Fact",
+    "Verdict",
+    "agree_or_raise",
+    "check_on_every_rank",
+    "checks_run",
+    "digest_device",
+    "runtime_checks",
+    "runtime_checks_enabled",
+    "runtime_verdict",
+    "settle",
+]
 
 _MISSING = "<missing>"  # shown for a rank that does not state a fact the others state
 
@@ -95,18 +113,86 @@ def agree_or_raise(
         >>> agree_or_raise(group, None, [Fact("calls pass different reduce_op values", "sum", "use one")],
         ...                what="my_op")
     """
-    refusal = None if problem is None else _refusal(problem, what)
-    if group.size() > 1 and not _digests_agree(group, _digest(refusal, facts)):
+    verdict = _verdict(problem, facts, what)
+    if group.size() > 1:
+        settle(group, verdict, _gathered_digests(group, verdict.digest), what=what)
+    elif problem is not None:
+        raise problem
+
+
+class Verdict(NamedTuple):
+    """This rank's side of one agreement: its own checks' error (or ``None``), its facts, and
+    the 8-byte digest of the error or the facts, which :func:`settle` compares with every rank's.
+
+    Example::
+
+        >>> verdict = runtime_verdict(lambda: [Fact("calls pass different k", 2, "use one k")], what="my_op")
+        >>> verdict.problem is None, isinstance(verdict.digest, int)
+        (True, True)
+    """
+
+    problem: Exception | None
+    facts: list[Fact]
+    digest: int
+
+
+def runtime_verdict(checked_facts: Callable[[], Sequence[Fact]], *, what: str) -> Verdict | None:
+    """This rank's verdict for a forward pass's check whose digest travels *inside a collective
+    the caller runs anyway* (MoE's token-count exchange: :func:`settle` then compares), or
+    ``None`` where :func:`check_on_every_rank` would skip the agreement (traced by
+    ``torch.compile``, recomputed by activation checkpointing, or the checks are off; this
+    rank's own checks still raise in the last case).
+
+    Every rank of the group must run the carrying collective either way: a rank whose own
+    checks failed carries its error's digest (and the caller sends placeholder data), so
+    every rank raises at :func:`settle`, none waits.
+
+    Example::
+
+        >>> runtime_verdict(lambda: [], what="my_op").facts
+        []
+    """
+    if _runtime_skipped():
+        return None
+    if not _RUNTIME_CHECKS[0]:
+        checked_facts()  # this rank's own checks still raise; only the agreement is skipped
+        return None
+    try:
+        problem, facts = None, list(checked_facts())
+    except (TypeError, ValueError, IndexError, NotImplementedError) as error:
+        problem, facts = error, []
+    return _verdict(problem, facts, what)
+
+
+def settle(group: dist.ProcessGroup, verdict: Verdict, digests: Sequence[int], *, what: str) -> None:
+    """Return on every rank if every rank's digest (``digests``, in group order, gathered by the
+    caller's collective: the same list on every rank) equals this one and this rank's checks
+    passed; else raise on every rank, as :func:`agree_or_raise` does. Only then does one
+    ``dist.all_gather_object`` of every rank's error and facts follow, to write the message.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs an initialized process group")
+        >>> settle(group, verdict, incoming[:, -1].tolist(), what="ExpertParallel")
+    """
+    _AGREEMENTS[0] += 1
+    if any(digest != verdict.digest for digest in digests):
         details = [None] * group.size()
-        dist.all_gather_object(details, (refusal, list(facts)), group=group)
-        if problem is None:
+        refusal = None if verdict.problem is None else _refusal(verdict.problem, what)
+        dist.all_gather_object(details, (refusal, list(verdict.facts)), group=group)
+        if verdict.problem is None:
             error = ValueError(_disagreement(details, dist.get_process_group_ranks(group), what))
             # another rank's own check failed: this rank's error is a consequence, and failure
             # reports (torch_tp._supervise.root_cause) name that rank as the root cause
             error.consequence = any(refusal is not None for refusal, _ in details)
             raise error
-    if problem is not None:
-        raise problem
+    if verdict.problem is not None:
+        raise verdict.problem
+
+
+def _verdict(problem: Exception | None, facts: Sequence[Fact], what: str) -> Verdict:
+    refusal = None if problem is None else _refusal(problem, what)
+    return Verdict(problem, list(facts), _digest(refusal, facts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,8 +219,9 @@ def runtime_checks_enabled() -> bool:
 def runtime_checks(enabled: bool) -> Iterator[None]:
     """Turn the forward-pass agreement checks on or off inside the block.
 
-    Each check costs one all-gather of 8 bytes per rank (see ``docs/plans_and_styles.md``, *Checks at forward time*, for the cost
-    per training step). Off, a rank whose inputs disagree with its peers' aborts or hangs the
+    Each check costs one all-gather of 8 bytes per rank, or 8 bytes more in the MoE count
+    exchange (see ``docs/plans_and_styles.md``, *Checks at forward time*, for the cost per
+    training step). Off, a rank whose inputs disagree with its peers' aborts or hangs the
     job inside the collective instead of raising a named error on every rank: turn them off
     only for a job whose inputs are known good.
 
@@ -172,8 +259,8 @@ def check_on_every_rank(
         >>> check_on_every_rank(group, lambda: [Fact("inputs have different dtypes", x.dtype, "cast")],
         ...                     what="my_op")
     """
-    if at_runtime and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1):
-        return  # traced (the graph is specialized), or a forward recomputed in backward (checked in forward)
+    if at_runtime and _runtime_skipped():
+        return
     if at_runtime and not _RUNTIME_CHECKS[0]:
         checked_facts()  # this rank's own checks still raise; only the agreement is skipped
         return
@@ -182,6 +269,11 @@ def check_on_every_rank(
     except (TypeError, ValueError, IndexError, NotImplementedError) as error:
         problem, facts = error, []
     agree_or_raise(group, problem, facts, what=what)
+
+
+def _runtime_skipped() -> bool:
+    """Traced (the graph is specialized), or a forward recomputed in backward (checked in forward)."""
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1
 
 
 def _refusal(problem: Exception, what: str) -> str:
@@ -196,6 +288,7 @@ def _digest(refusal: str | None, facts: Sequence[Fact]) -> int:
 
 
 _CHECKS_RUN = [0]  # agreements run in this process (each one all-gather), for tools that count collectives
+_AGREEMENTS = [0]  # agreements settled in this process: those, and those carried by a caller's collective
 
 
 def checks_run() -> int:
@@ -228,13 +321,13 @@ def digest_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device(types[0], module.current_device())
 
 
-def _digests_agree(group: dist.ProcessGroup, digest: int) -> bool:
+def _gathered_digests(group: dist.ProcessGroup, digest: int) -> list[int]:
     """The one all-gather of the happy path: 8 bytes from each rank."""
     _CHECKS_RUN[0] += 1
     mine = torch.tensor([digest], dtype=torch.int64, device=digest_device(group))
     gathered = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(gathered, mine, group=group)
-    return bool(torch.cat(gathered).eq(digest).all())
+    return torch.cat(gathered).tolist()
 
 
 def _disagreement(details: list, ranks: list[int], what: str) -> str:

@@ -3,6 +3,7 @@
 
 import copy
 import functools
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch_tp import ExpertParallel, ExpertTensorParallel, ReplicateParallel, UnsupportedModuleError, parallelize_module
 from torch_tp.functional import expert_parallel, expert_tensor_parallel
 from torch_tp.models.llama import ModelArgs
-from torch_tp.models.moe import GroupedExperts, MoE, MoEArgs, MoETransformer, tensor_parallel_plan
+from torch_tp.models.moe import GroupedExperts, MoE, MoEArgs, MoETransformer, moe_block_plan, tensor_parallel_plan
 from torch_tp.parallel import routing_summary
 from torch_tp.testing import TOL, assert_params_and_grads_match, assert_trains_like, full_tensor, local_chunk
 from torch_tp.testing import on_ranks, rank, tp_mesh, world_size
@@ -227,3 +228,90 @@ def test_under_compile_the_only_graph_break_is_at_the_experts(experts):
     out.sum().backward()
     reference(tokens).sum().backward()
     assert_params_and_grads_match(model, reference, **TOL)
+
+
+# ---------------------------------------------------------------- the routing's agreement, folded
+
+
+def _routed_twice(experts, corrupt_step_2):
+    """Step 1: every rank routes validly. Step 2: the last rank's routing is ``corrupt_step_2``."""
+    from torch_tp import _agreement
+
+    outcomes = []
+    for step in (1, 2):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(12, 16, generator=generator)
+        index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(12)])
+        weights = torch.rand(index.shape, generator=generator)
+        if step == 2 and rank() == world_size() - 1:
+            index, weights = corrupt_step_2(index, weights)
+        before = _agreement.checks_run(), _agreement._AGREEMENTS[0]
+        start = time.monotonic()
+        try:
+            experts(x, index, weights)
+            outcomes.append("ran")
+        except (ValueError, TypeError) as error:
+            outcomes.append(str(error))
+        assert time.monotonic() - start < 10, step  # no rank waited for the others' timeout
+        outcomes.append((_agreement.checks_run() - before[0], _agreement._AGREEMENTS[0] - before[1]))
+    return outcomes
+
+
+_STEP_2 = {
+    "id_past_last_expert": lambda index, weights: (index.index_fill(0, torch.tensor([0]), 8), weights),
+    "another_top_k": lambda index, weights: (index[:, :1], weights[:, :1]),
+}
+
+
+@on_ranks(2, 4)
+@pytest.mark.parametrize("case", sorted(_STEP_2))
+@pytest.mark.parametrize("style", ["ExpertParallel", "ExpertTensorParallel"])
+def test_the_routing_agreement_rides_on_the_count_exchange_and_catches_a_rank_that_changes_at_step_2(style, case):
+    """ExpertParallel's count all-to-all (and ExpertTensorParallel's token-count all-gather of
+    each rank's own tokens) carries the routing's digest: no all-gather of its own, and ranks that
+    agreed at step 1 but not at step 2 still raise a named error on every rank within seconds."""
+    experts = GroupedExperts(16, 12, num_experts=8)
+    parallelize = expert_parallel if style == "ExpertParallel" else expert_tensor_parallel
+    parallelize(experts, tp_mesh(), input_layouts=Shard(0))
+    ran, counted_1, refused, counted_2 = _routed_twice(experts, _STEP_2[case])
+    assert ran == "ran" and counted_1 == (0, 1), counted_1  # one agreement, no collective of its own
+    assert style in refused and counted_2 == (0, 1), (refused, counted_2)
+    if case == "id_past_last_expert":
+        assert ("outside 0 .. 7" if rank() == world_size() - 1 else "another rank refused") in refused, refused
+    else:
+        assert "routings have different top-k" in refused, refused
+
+
+# ----------------------------------------------------------------------- non-finite routing
+
+
+def _nan_block(experts: str, where: str):
+    torch.manual_seed(0)
+    reference = MoE(ARGS, MoEArgs(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=16))
+    x = torch.randn(2, 8, ARGS.dim)
+    if where == "router weight":
+        with torch.no_grad():
+            reference.gate.weight[2, 5] = float("nan")  # every token's score of expert 2
+    block = parallelize_module(copy.deepcopy(reference), tp_mesh(), moe_block_plan(experts=experts, shared_expert=True))
+    if where == "one token's routing scores":
+        def nan_scores(module, args, out):  # token 3's router logits and top-k weights
+            logits, weights, index = out
+            token = torch.tensor([3])
+            return logits.index_fill(0, token, float("nan")), weights.index_fill(0, token, float("nan")), index
+
+        reference.gate.register_forward_hook(nan_scores)
+        block.gate.register_forward_hook(nan_scores)
+    return reference, block, x
+
+
+@on_ranks(2, 4)
+def test_nan_routing_gives_every_rank_the_single_process_result():
+    for experts in ("expert", "tensor"):
+        for where in ("router weight", "one token's routing scores"):
+            reference, block, x = _nan_block(experts, where)
+            want, got = reference(x), block(x)
+            assert not want.isfinite().all(), where
+            torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"{experts}, {where}: {m}")
+            want.nansum().backward()
+            got.nansum().backward()
+            assert_params_and_grads_match(block, reference, **TOL)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -53,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch_tp._agreement import Fact, check_on_every_rank
+from torch_tp._agreement import Fact, check_on_every_rank, runtime_verdict, settle
 from torch_tp._layouts import finish_output, redistribute_to, replace_forward, shard_sizes, to_dtensor
 from torch_tp._module_state import ensure_state, state_of
 from torch_tp.parallel import _dispatch, rules
@@ -280,27 +281,44 @@ def _tokens_layout(hidden_states: torch.Tensor, declared: Placement, style: str)
 def _expert_parallel_forward(
     module, hidden_states, top_k_index, top_k_weights, *, inner, mesh, input_layouts, use_local_output
 ):
-    layout = _tokens_layout(hidden_states, input_layouts, "ExpertParallel")
-    _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, mesh=mesh, layout=layout, style="ExpertParallel")
+    style = "ExpertParallel"
+    layout = _tokens_layout(hidden_states, input_layouts, style)
     group, world = mesh.get_group(), mesh.size()
+    # The routing's agreement rides on the count exchange every rank runs anyway (no collective
+    # of its own); a rank that refused its routing sends zero counts there, and every rank raises.
+    verdict = runtime_verdict(
+        lambda: _routing_facts(module, hidden_states, top_k_index, top_k_weights, layout, style), what=style
+    )
+    carried = {} if verdict is None else dict(digest=verdict.digest, settle=partial(settle, group, verdict, what=style))
+    if verdict is not None and verdict.problem is not None:  # join the exchange, then raise (settle does)
+        _dispatch.plan_route(None, module.num_experts, group, world, device=hidden_states.device, **carried)
     tokens, index, weights = (_own_tokens(v, mesh, layout) for v in (hidden_states, top_k_index, top_k_weights))
-    route = _dispatch.plan_route(index, module.num_experts, group, world)
+    route = _dispatch.plan_route(index, module.num_experts, group, world, **carried)
     received = _dispatch.dispatch(tokens, route, index.shape[1], group)
     out = _dispatch.combine(_run_local_experts(module, inner, received, route.local_expert), route, weights, group)
     ensure_state(module).route = Routing(sent=route.sent, received=route.received)
     return _home(out, hidden_states, mesh, layout, use_local_output)
 
 
-def _token_count(hidden_states: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> int | None:
+def _token_count(hidden_states: torch.Tensor, mesh: DeviceMesh, layout: Placement, verdict=None) -> int | None:
     """The number of tokens over the group, for plain inputs holding each rank's own tokens.
 
     One small all-gather; the counts must follow ``torch.chunk`` (as sequence parallelism
-    gives), the layout a ``Shard(0)`` DTensor of them has.
+    gives), the layout a ``Shard(0)`` DTensor of them has. With ``verdict`` (the routing's,
+    :func:`torch_tp._agreement.runtime_verdict`) its digest travels beside the count and the
+    ranks settle the routing first.
     """
     if layout != Shard(0) or isinstance(hidden_states, DTensor):
         return None
-    counts = torch.tensor([hidden_states.shape[0]], device=hidden_states.device)
-    counts = funcol.wait_tensor(funcol.all_gather_tensor(counts, 0, mesh.get_group())).tolist()
+    mine = [hidden_states.shape[0] if verdict is None or verdict.problem is None else 0]
+    if verdict is not None:
+        mine.append(verdict.digest)
+    gathered = torch.tensor(mine, dtype=torch.int64, device=hidden_states.device)
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(gathered, 0, mesh.get_group()))
+    gathered = gathered.view(mesh.size(), -1).tolist()  # [rank][count (, digest)]
+    if verdict is not None:
+        settle(mesh.get_group(), verdict, [row[1] for row in gathered], what="ExpertTensorParallel")
+    counts = [row[0] for row in gathered]
     if tuple(counts) != shard_sizes(sum(counts), len(counts)):
         raise ValueError(
             f"ExpertTensorParallel(input_layouts=Shard(0)): the ranks hold {counts} tokens, which is not "
@@ -320,14 +338,21 @@ def _all_tokens(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, count:
 def _expert_tensor_parallel_forward(
     module, hidden_states, top_k_index, top_k_weights, *, inner, mesh, input_layouts, output_layouts, use_local_output
 ):
-    layout = _tokens_layout(hidden_states, input_layouts, "ExpertTensorParallel")
-    _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, mesh=mesh, layout=layout,
-                      style="ExpertTensorParallel")
-    count = _token_count(hidden_states, mesh, layout)
+    style = "ExpertTensorParallel"
+    layout = _tokens_layout(hidden_states, input_layouts, style)
+    if layout == Shard(0) and not isinstance(hidden_states, DTensor):
+        # each rank's own tokens: the routing's agreement rides on the token-count all-gather
+        verdict = runtime_verdict(
+            lambda: _routing_facts(module, hidden_states, top_k_index, top_k_weights, layout, style), what=style
+        )
+        count = _token_count(hidden_states, mesh, layout, verdict)
+    else:
+        _agree_on_routing(module, hidden_states, top_k_index, top_k_weights, mesh=mesh, layout=layout, style=style)
+        count = None
     tokens, weights, index = (_all_tokens(v, mesh, layout, count) for v in (hidden_states, top_k_weights, top_k_index))
     with _local_parameters(module):
-        partial = inner(tokens, index, weights)
-    out = DTensor.from_local(partial, mesh, (Partial(),), run_check=False)
+        partial_sums = inner(tokens, index, weights)
+    out = DTensor.from_local(partial_sums, mesh, (Partial(),), run_check=False)
     return finish_output(redistribute_to(out, output_layouts), use_local_output)
 
 
