@@ -25,12 +25,14 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 # Property-based tests (hypothesis): CI draws a fixed, seeded budget ("ci", the default); a
-# longer hunt is `TORCH_TP_HYPOTHESIS=hunt python3 -m pytest tests -k property` (DEVELOPERS.md).
+# longer hunt is `TORCH_TP_HYPOTHESIS=hunt python3 -m pytest tests -k property` (DEVELOPERS.md),
+# 5000 examples per test unless TORCH_TP_HUNT_EXAMPLES says how many.
 try:
     from hypothesis import settings
 
     settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None, print_blob=True)
-    settings.register_profile("hunt", max_examples=5000, deadline=None, print_blob=True)
+    settings.register_profile("hunt", max_examples=int(os.environ.get("TORCH_TP_HUNT_EXAMPLES", "5000")), deadline=None,
+                              print_blob=True)
     settings.load_profile(os.environ.get("TORCH_TP_HYPOTHESIS", "ci"))
 except ImportError:  # the test extra installs it; without it only the property tests fail to import
     pass

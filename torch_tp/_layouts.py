@@ -169,7 +169,10 @@ def _shard_facts(value: torch.Tensor, mesh: DeviceMesh, layout: Shard, size: int
     shape[d] = size if size is not None else value.shape[d] * mesh.size()
     return [
         Fact("inputs, as one sharded tensor, have different shapes", tuple(shape),
-             f"every rank must pass its shard of one tensor (dim {d} split by torch.chunk, the other dims equal)"),
+             f"every rank must pass its shard of one tensor, the other dims equal; a plain tensor is read "
+             f"as an even shard (dim {d}: this rank's size x {mesh.size()}, as DTensor.from_local reads it), "
+             f"so strips of a length the ranks do not divide are refused: pad dim {d} to a multiple of "
+             f"{mesh.size()}, or pass a DTensor (DTensor.from_local(..., shape=...) states uneven strips)"),
         Fact("inputs have different dtypes", str(value.dtype), "pass the same dtype on every rank"),
     ]
 

@@ -179,3 +179,20 @@ def test_the_digest_travels_on_the_groups_own_device_whatever_the_data(monkeypat
     monkeypatch.setattr(_agreement.dist, "get_backend_config", lambda group=None: config)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert _agreement.digest_device(object()) == device
+
+
+def _uneven_strips_of_a_plain_sequence():
+    from torch_tp import SequenceParallel
+
+    norm = parallelize_module(nn.LayerNorm(4), tp_mesh(), SequenceParallel())
+    whole = torch.randn(2, 2 * world_size() + 1, 4)  # a length the ranks do not divide
+    strip = whole.tensor_split(world_size(), dim=1)[rank()]  # 3, 2 (, 2, 2) tokens
+    return _error_of(lambda: norm(strip))
+
+
+@world_sizes(2, 4)
+def test_uneven_plain_strips_are_refused_on_every_rank_saying_to_pad_or_pass_a_dtensor(world_size):
+    for kind, message in run_on_ranks(_uneven_strips_of_a_plain_sequence, world_size, timeout=60):
+        assert kind == "ValueError", message
+        assert "SequenceParallel" in message and "inputs, as one sharded tensor, have different shapes" in message
+        assert f"pad dim 1 to a multiple of {world_size}, or pass a DTensor" in message, message

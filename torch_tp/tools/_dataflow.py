@@ -12,9 +12,10 @@ the group with its name (an allowlist, not a denylist).
 op                                               the split dim
 ===============================================  ===============================================
 unary pointwise (gelu, silu, relu, tanh,         stays where it is
-dropout, casts, copies, scalar arithmetic)
-add / sub / mul / div of two tensors             stays, if the other operand is split the same
-                                                 way or broadcasts (size 1) along that dim
+dropout, casts, copies, scalar arithmetic,
+isfinite / isnan, ``~``)
+add / sub / mul / div of two tensors,            stays, if the other operands are split the same
+masked_fill (a scalar), where                    way or broadcast (size 1) along that dim
 view / reshape / unflatten / flatten            the first dim of the group it splits into
                                                  (features -> heads x head_dim: the heads; the
                                                  heads must divide by the ranks), or the merged
@@ -317,12 +318,14 @@ _UNARY = [
     aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default, aten.neg.default,
     aten.exp.default, aten.rsqrt.default, aten.sqrt.default, aten.mul.Scalar, aten.div.Scalar,
     aten.add.Scalar, aten.sub.Scalar, aten.pow.Tensor_Scalar, aten.gelu_.default, aten.relu_.default,
-    aten.silu_.default, aten.detach.default,
+    aten.silu_.default, aten.detach.default, aten.isfinite.default, aten.isnan.default, aten.bitwise_not.default,
+    aten.logical_not.default,
 ]
 
 _RULES: dict[object, Callable[[Node, dict[Node, int]], int]] = {
     **dict.fromkeys(_UNARY, _same),
-    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor], _pointwise),
+    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Scalar,
+                     aten.where.self], _pointwise),
     **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], _reshape),
     aten.transpose.int: _transpose,
     aten.unflatten.int: _unflatten,

@@ -215,10 +215,35 @@ def _derive(model: nn.Module, ranks: int, example_inputs: tuple[Any, ...], seque
         graphs.append((modes, program.graph, linears, weights))
     groups = in_every_mode(derived) if len(derived) > 1 else derived[0][1]
     tables = {table: rows for _, graph, _, weights in graphs for table, rows in _embeddings(graph, weights).items()}
+    _stop_at_holders(model, groups, [table for table, rows in tables.items() if rows % ranks == 0])
     layers = list(dict.fromkeys(name for _, _, linears, _ in graphs for name in linears.values()))
     stream = functools.partial(_split_stream, graphs, ranks) if sequence_parallel else None
     plan = functools.partial(_plan, model, layers, groups, tables, ranks, stream=stream)
     return _Derivation(groups, plan, ("eval",) if len(programs) == 1 else MODES, plan(local_output=True))
+
+
+def _stop_at_holders(model: nn.Module, groups: list[_Group], tables: list[str]) -> None:
+    """Keep whole each group whose split features meet a parameter of a module that holds placed
+    layers (a learned scale beside the split ``up``/``down``, the model's own parameter): the one
+    copy with gradients summed (``ReplicateParallel`` on that module) would place its split
+    children's parameters too, and a plan key naming the parameter is no module
+    (``parallelize_module`` refused such plans: "placed by two plan entries", "names a
+    parameter"). The reason lists the holder's own parameters. Stopping a group can free a
+    holder of another group's layers: repeated until nothing changes."""
+    own = {name: [p for p, _ in module.named_parameters(recurse=False)] for name, module in model.named_modules()}
+    changed = True
+    while changed:
+        placed = [*tables, *(layer for g in groups if g.stop is None for layer in g.starts + g.ends)]
+        changed = False
+        for group in (g for g in groups if g.stop is None):
+            holder = next((m for m in group.touches if m == "" or any(p.startswith(f"{m}.") for p in placed)), None)
+            if holder is not None:
+                names = ", ".join(repr(f"{holder}.{p}".lstrip(".")) for p in own.get(holder, []))
+                group.stop = (f"its split features meet a parameter of {holder or 'the model'} itself ({names}), which "
+                              f"holds split layers: no style gives a module's own parameters one copy apart from its "
+                              f"children's. To have these layers split, move the parameter into a small module whose "
+                              f"forward applies it (as Qwen3's q_norm): it gets ReplicateParallel")
+                changed = True
 
 
 def _agreed_probe(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...], derived: _Derivation, *,
@@ -356,7 +381,7 @@ def _groups(graph: torch.fx.Graph, linears: dict[Node, str], weights: dict[str, 
             if node.target is not operator.getitem:  # one output of a split: not an op of its own
                 ops.setdefault(root(starts[0]), []).append(str(node.target).removeprefix("aten.").split(".")[0])
             for param in (a for a in _tensor_args(node) if a.name in weights):  # a per-head norm's weight
-                touches.setdefault(starts[0], {})[weights[param.name].rsplit(".", 1)[0]] = next(iter(inputs.values()))[0]
+                touches.setdefault(starts[0], {})[weights[param.name].rpartition(".")[0]] = next(iter(inputs.values()))[0]
         if node in linears:
             parent[node] = node
             try:
