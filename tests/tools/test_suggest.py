@@ -404,7 +404,8 @@ class _ModeBranches(nn.Module):
 def test_a_model_in_eval_with_mode_dependent_code_gets_a_plan_proven_in_both_modes_that_trains_like_one_process():
     reference = _ModeBranches().eval()
     plan = suggest_plan(reference, tp_mesh(), (torch.randn(2, 8, 16),))
-    assert plan.modes == ("train", "eval") and str(plan).endswith("proven in train and eval mode"), str(plan)
+    assert plan.modes == ("train", "eval") and "\nproven in train and eval mode\n" in str(plan), str(plan)
+    assert plan.shapes == ("input 0 dim 1 == 8",), plan.shapes  # BatchNorm1d(8) reads dim 1 as its channels
     assert not reference.training and not any(m.training for m in reference.modules())  # its modes restored
     for layer, mode in (("up", "train"), ("down", "train"), ("fc1", "eval"), ("fc2", "eval")):
         assert layer not in plan and plan.reasons[layer].startswith(f"in {mode} mode: "), str(plan)
@@ -434,3 +435,36 @@ def test_a_half_precision_mlp_gets_a_plan_compared_within_its_dtypes_tolerance()
         rtol, atol = tolerance(dtype, scale=want.abs().max().item())
         assert not torch.allclose(got, want, rtol=1e-4, atol=1e-5), "the split sums round apart: float32's tolerance refuses"
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+class _SizeBranch(nn.Module):
+    """An MLP that sums its split features only for sequences longer than 8."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        if x.shape[1] > 8:
+            h = h + 0.1 * h.sum(-1, keepdim=True)
+        return self.down(h)
+
+
+@on_ranks(2, 4)
+def test_a_plan_derived_on_one_side_of_a_size_branch_states_the_sizes_it_is_proven_for_and_trains_there():
+    reference = _SizeBranch()
+    short = suggest_plan(reference, tp_mesh(), (torch.randn(2, 4, 16),))
+    assert short.shapes == ("input 0 dim 1 in [2, 8]",), short.shapes
+    assert "proven for input 0 dim 1 in [2, 8] only" in str(short) and "derive the plan again" in str(short), str(short)
+    assert type(short["up"]).__name__ == "ColwiseParallel", str(short)  # the branch not taken sums nothing
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), short)
+    assert_trains_like(model, reference, [(torch.randn(2, 4, 16), torch.randn(2, 4, 16))] * 2, _mse, optimizer=SGD,
+                       what="derived on 4 tokens, trained on 4")
+    long = suggest_plan(reference, tp_mesh(), (torch.randn(2, 12, 16),))
+    assert long.shapes == ("input 0 dim 1 in [9, oo]",) and "up" not in long, str(long)  # the sum keeps them whole
+    model = parallelize_module(copy.deepcopy(reference), tp_mesh(), long)
+    assert_trains_like(model, reference, [(torch.randn(2, 12, 16), torch.randn(2, 12, 16))] * 2, _mse, optimizer=SGD,
+                       what="derived on 12 tokens, trained on 12")
+    assert suggest_plan(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), tp_mesh(), (torch.randn(2, 4, 16),)).shapes == ()

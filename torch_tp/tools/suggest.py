@@ -49,6 +49,7 @@ from torch_tp.parallel import rules
 from torch_tp.tools._dataflow import Packed, Stop, rule_for
 from torch_tp.tools._suggest_modes import MODES, exported_in_each_mode, in_every_mode
 from torch_tp.tools._suggest_probe import Failure, runs_like_the_model
+from torch_tp.tools._suggest_shapes import proven_shapes
 from torch_tp.tools._suggest_ranks import (
     PlanDerivationError,
     RanksDisagreeError,
@@ -88,8 +89,10 @@ class SuggestedPlan(dict):
     ``reasons`` holds a line per linear layer: why it is split, or why it stays replicated.
     ``sharded_fraction`` is the share of the model's parameter bytes that the plan splits.
     ``modes`` are the modes the plan is proven in (``suggest_plan``'s: ``("train", "eval")``;
-    none for a plan built by hand). ``str(plan)`` is a table of the reasons, then a line for
-    the share and one for the modes.
+    none for a plan built by hand). ``shapes`` are the conditions on the input sizes it is
+    proven for, where the model's code compares a size (``"input 0 dim 1 in [2, 8]"``: see
+    :mod:`torch_tp.tools._suggest_shapes`); none: any size. ``str(plan)`` is a table of the
+    reasons, then a line for the share, one for the modes and one for the sizes.
 
     Example::
 
@@ -102,9 +105,10 @@ class SuggestedPlan(dict):
     """
 
     def __init__(self, styles: dict[str, ParallelStyle], *, reasons: dict[str, str], sharded_fraction: float,
-                 modes: tuple[str, ...] = ()) -> None:
+                 modes: tuple[str, ...] = (), shapes: tuple[str, ...] = ()) -> None:
         super().__init__(styles)
         self.reasons, self.sharded_fraction, self.modes = reasons, sharded_fraction, tuple(modes)
+        self.shapes = tuple(shapes)
 
     def __str__(self) -> str:
         rows = [(name, type(self[name]).__name__ if name in self else "replicated", why) for name, why in self.reasons.items()]
@@ -114,6 +118,9 @@ class SuggestedPlan(dict):
         if not rows:
             return "no linear layer in the model: nothing to split (an empty plan)"
         proven = [f"proven in {' and '.join(self.modes)} mode"] if self.modes else []
+        if self.shapes:
+            proven.append(f"proven for {'; '.join(self.shapes)} only: the traced code depends on these "
+                          f"sizes (other sizes run other code, or fail; derive the plan again on them)")
         return "\n".join([*lines, f"{100 * self.sharded_fraction:.1f}% of the parameter bytes split", *proven])
 
 
@@ -141,7 +148,10 @@ def suggest_plan(
     ``self.training``) each is derived on its own, a group of layers is split only if it is split
     the same way in both (else it stays whole with the mode's reason), and the probe compares
     the outputs in both modes (in training mode under one seed, dropout off).
-    ``plan.modes`` is ``("train", "eval")``.
+    ``plan.modes`` is ``("train", "eval")``. The plan is derived on the example inputs' sizes:
+    where the model's code compares a batch, sequence or spatial size (``if x.shape[1] > 8``),
+    ``plan.shapes`` and ``str(plan)`` state the sizes it is proven for (one more export, with
+    those sizes symbolic: :mod:`torch_tp.tools._suggest_shapes`).
 
     The probe compares each output with the model's within the tolerance of its dtype,
     ``|got - want| <= atol + rtol * |want|``: ``rtol=1e-4, atol=1e-5`` (float32 and any other
@@ -218,7 +228,8 @@ def _derive(model: nn.Module, ranks: int, example_inputs: tuple[Any, ...], seque
     _stop_at_holders(model, groups, [table for table, rows in tables.items() if rows % ranks == 0])
     layers = list(dict.fromkeys(name for _, _, linears, _ in graphs for name in linears.values()))
     stream = functools.partial(_split_stream, graphs, ranks) if sequence_parallel else None
-    plan = functools.partial(_plan, model, layers, groups, tables, ranks, stream=stream)
+    plan = functools.partial(_plan, model, layers, groups, tables, ranks, stream=stream,
+                             shapes=proven_shapes(model, example_inputs))
     return _Derivation(groups, plan, ("eval",) if len(programs) == 1 else MODES, plan(local_output=True))
 
 
@@ -266,8 +277,9 @@ def _agreed_probe(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any,
 
 
 def _digest(plan: SuggestedPlan) -> str:
-    """12 hex digits of SHA-256 over the plan's styles and reasons."""
-    text = "\n".join([*(f"{name}: {style!r}" for name, style in plan.items()), *map(str, plan.reasons.items())])
+    """12 hex digits of SHA-256 over the plan's styles, reasons and proven sizes."""
+    text = "\n".join([*(f"{name}: {style!r}" for name, style in plan.items()), *map(str, plan.reasons.items()),
+                      *plan.shapes])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -496,7 +508,7 @@ _HEAD = "the model returns it"
 
 def _plan(
     model: nn.Module, layers: list[str], groups: list[_Group], tables: dict[str, int], ranks: int, *,
-    local_output: bool, stream: Callable[[dict, dict], None] | None = None
+    local_output: bool, stream: Callable[[dict, dict], None] | None = None, shapes: tuple[str, ...] = ()
 ) -> SuggestedPlan:
     styles: dict[str, ParallelStyle] = {}
     reasons: dict[str, str] = {}
@@ -532,7 +544,7 @@ def _plan(
     _name_other_weights(model, reasons)
     order = list(dict.fromkeys([*tables, *layers, *reasons]))
     return SuggestedPlan(styles, reasons={n: reasons[n] for n in order if n in reasons},
-                         sharded_fraction=_sharded_fraction(model, styles), modes=MODES)
+                         sharded_fraction=_sharded_fraction(model, styles), modes=MODES, shapes=shapes)
 
 
 _SEQUENCE = 1  # the sequence dim of (batch, sequence, features)
