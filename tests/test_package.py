@@ -30,6 +30,7 @@ PUBLIC_MODULES = [
     "torch_tp.models.mixer",
     "torch_tp.testing",
     "torch_tp.launch",
+    "torch_tp.run",
     "torch_tp.loss",
     "torch_tp.checkpoint",
     "torch_tp.integrations.transformers",

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import gc
 import glob
 import json
@@ -166,7 +167,9 @@ def launch(
     ``start_method`` is ``"forkserver"`` (the default where available: ranks fork from a
     server that has torch, torch_tp and the program's main module imported, so they start in a
     fraction of a second) or ``"spawn"``.
-    ``fn`` and ``args`` are pickled: ``fn`` must be a module-level function.
+    ``fn`` and ``args`` are pickled: ``fn`` must be a module-level function. A ``fn`` that carries
+    a ``before_group`` attribute has it called with ``args`` on each rank before the rank joins
+    the process group (``tests/launch/fault_matrix.py`` faults a rank at the rendezvous with it).
 
     ``check_collectives=True`` runs the ranks under torch's collective check
     (``TORCH_DISTRIBUTED_DEBUG=DETAIL``): before every collective the ranks compare the op, the
@@ -207,6 +210,9 @@ def _run_rank(
     on_group: Callable[[dist.Store], None] | None = None,
 ) -> None:
     native_errors_to_stderr()
+    before_group = getattr(fn, "before_group", None)  # the fault matrix's rendezvous site
+    if before_group is not None:
+        before_group(*args)
     device = rank_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -284,9 +290,12 @@ def _name_the_lost_ranks(beats: list[Heartbeat]) -> str:
     if not beats:  # the group never started: nothing beats
         time.sleep(SYMPTOM_GRACE_SECONDS)
         return ""
-    beat = beats[0]
+    beat, start = beats[0], time.monotonic()
     line = lost_ranks_line(beat.rank, beat.world_size, beat.lost_ranks(probe_s=SYMPTOM_GRACE_SECONDS), SYMPTOM_GRACE_SECONDS)
     print(line, file=sys.stderr, flush=True)
+    # a store that cannot be read fails the probe at once: wait out the rest, so that the agent
+    # sees its store gone first (`python -m torch_tp.run` then names this node's and the lost ranks)
+    time.sleep(max(0.0, SYMPTOM_GRACE_SECONDS - (time.monotonic() - start)))
     return "\n" + line
 
 
@@ -398,7 +407,7 @@ def _launch_elastic(
     entry = elastic_launch(config, _elastic_rank)
     watch = _RankWatch(run_dir, nproc)
     try:
-        with watch, _quiet_agent(), _rendezvous_event_names_from_frames(), _signal_handlers_restored():
+        with watch, watch.agent_stops_noted(), _quiet_agent(), _rendezvous_event_names_from_frames(), _signal_handlers_restored():
             entry(fn, args, timeout, run_dir, os.getpid(), nproc, check)
     except ChildFailedError as failed:
         raise _failure(fn, nproc, run_dir, failed, watch) from None
@@ -421,6 +430,7 @@ class _RankWatch:
         self.run_dir, self.nproc = run_dir, nproc
         self.pids: dict[int, int] = {}  # rank: pid
         self.stopped: set[int] = set()  # ranks found stopped by a signal once a peer had ended
+        self.ended_before_agent: set[int] | None = None  # ranks gone when the agent began stopping ranks
         self.started: dict[int, int] = {}  # the ranks' descendants: pid: start time
         self._procs: dict[int, Any] = {}  # pid: the agent's multiprocessing.Process
         self._done = threading.Event()
@@ -434,6 +444,43 @@ class _RankWatch:
         self._done.set()
         self._thread.join()
         end_processes(self.started, job=self.run_dir)
+
+    @contextlib.contextmanager
+    def agent_stops_noted(self) -> Iterator[None]:
+        """Note which ranks had already ended when the agent began stopping the others: the first
+        SIGTERM it sends, from torch.multiprocessing's ``ProcessContext.join`` (on the first failure
+        it sees) or its ``PContext.close``. A rank that ended by SIGTERM before then was sent it
+        from outside (``kill``, a scheduler), though the agent may list first the peer that lost
+        its connection to it."""
+        from torch.distributed.elastic.multiprocessing import api
+        from torch.multiprocessing.spawn import ProcessContext
+
+        original_close, original_join = api.PContext.close, ProcessContext.join
+
+        def close(context: Any, *args: Any, **kwargs: Any) -> Any:
+            self._note_agent_stopping()
+            return original_close(context, *args, **kwargs)
+
+        def join(context: Any, *args: Any, **kwargs: Any) -> Any:
+            for process in context.processes:
+                if "terminate" not in vars(process):  # the process's own SIGTERM, noted first
+                    process.terminate = functools.partial(self._terminate, process)
+            return original_join(context, *args, **kwargs)
+
+        api.PContext.close, ProcessContext.join = close, join
+        try:
+            yield
+        finally:
+            api.PContext.close, ProcessContext.join = original_close, original_join
+
+    def _terminate(self, process: Any) -> None:
+        self._note_agent_stopping()
+        type(process).terminate(process)
+
+    def _note_agent_stopping(self) -> None:
+        if self.ended_before_agent is None:
+            self._read_pids()
+            self.ended_before_agent = {r for r, pid in self.pids.items() if process_state(pid) in (None, "Z")}
 
     def exit_codes(self) -> dict[int, int]:
         """Each rank's exit code, where its process was seen (call after the agent returned)."""
@@ -480,8 +527,11 @@ class _RankWatch:
 def _failure(fn: Callable[..., Any], nproc: int, run_dir: str, failed: Any, watch: _RankWatch) -> LaunchFailure:
     seen = {rank: f.exitcode for rank, f in failed.failures.items()}  # the agent's first failure
     known = {**watch.exit_codes(), **seen}
+    # a rank that ended by SIGTERM before the agent stopped anyone: sent from outside (`kill`, a
+    # scheduler), a cause, though the agent may list the peer that lost its connection first
+    outside = {r for r in watch.ended_before_agent or () if known.get(r) == -signal.SIGTERM}
     outcomes = [
-        _outcome(run_dir, rank, known.get(rank, 0), listed=rank in seen, stopped=rank in watch.stopped)
+        _outcome(run_dir, rank, known.get(rank, 0), listed=rank in seen or rank in outside, stopped=rank in watch.stopped)
         for rank in range(nproc)
     ]
     return _launch_failure(fn, nproc, outcomes, _exit_codes(outcomes, known))

@@ -1,5 +1,6 @@
 """The main job as a two-node ``torchrun`` job (two agents on 127.0.0.1, c10d rendezvous: dp across
-the nodes, tp within each), run to the end and with one node lost (``tests/launch/two_nodes.py``)."""
+the nodes, tp within each), run to the end, with one node lost, and with the node hosting the
+rendezvous store lost under ``python -m torch_tp.run`` (``tests/launch/two_nodes.py``)."""
 
 import re
 
@@ -11,6 +12,7 @@ pytestmark = pytest.mark.slow
 
 TWO_NODES = ScriptRun("tests/launch/two_nodes.py", "run", "--dp", "2", "--steps", "6")
 NODE_LOST = ScriptRun("tests/launch/two_nodes.py", "kill", "--dp", "2", "--steps", "50")
+HOST_LOST = ScriptRun("tests/launch/two_nodes.py", "kill-host", "--dp", "2", "--steps", "50")
 
 
 @pytest.mark.script_runs(TWO_NODES)
@@ -43,4 +45,22 @@ def test_a_lost_node_takes_its_workers_the_other_agent_names_its_ranks_within_60
     assert named, out
     for rank, *ranks in named:  # every surviving rank that says it names the same ranks
         assert int(rank) in alive and [int(r) for r in ranks] == lost + alive, out
+    assert "processes of the job left 10 s later: none" in out, out
+
+
+@pytest.mark.script_runs(HOST_LOST)
+def test_losing_the_store_host_ends_the_other_agent_in_one_line_naming_the_lost_ranks_and_nothing_is_left():
+    out = HOST_LOST.result().stdout
+    killed = re.search(r"node 0's agent \(ranks (\d), (\d)\) killed; node 1's agent exited (\d+) (\S+) s later", out)
+    assert killed, out
+    lost = [int(killed.group(1)), int(killed.group(2))]
+    kept = sorted({0, 1, 2, 3} - set(lost))
+    assert int(killed.group(3)) == 1 and float(killed.group(4)) < 60, out
+    last = out.rstrip().splitlines()[-1]  # the surviving agent's last word: one line, no traceback
+    named = re.fullmatch(r"torch_tp.run: this node \(ranks (\d), (\d)\) lost the job's rendezvous store at "
+                         r"127.0.0.1:\d+: the agent that hosted it is gone, and with it the other node's ranks (\d), "
+                         r"(\d); this node's ranks were stopped. Restart the job on every node from its newest "
+                         r"checkpoint .*--rdzv-conf is_host=false .*", last)
+    assert named and [int(r) for r in named.groups()] == kept + lost, out
+    assert not re.search(r"^Traceback", out, flags=re.M), out  # the agent's (its workers' read "[rankN]: ...")
     assert "processes of the job left 10 s later: none" in out, out

@@ -96,7 +96,7 @@ def lost_ranks_line(rank: int, world_size: int, lost: list[int] | None, probe_s:
     """
     if lost is None:
         return (f"torch_tp.launch: rank {rank} cannot read the job's store: the torchrun agent that hosted it "
-                "(the one at --rdzv-endpoint) is gone, and with it its node's ranks")
+                "(the one at --rdzv-endpoint) is gone, and with it its node's ranks (python -m torch_tp.run names them)")
     if not lost:
         return (f"torch_tp.launch: rank {rank}: every peer still beats (a collective failed, but no rank "
                 f"is gone: see the root cause's traceback)")

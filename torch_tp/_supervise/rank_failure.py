@@ -17,7 +17,8 @@ collective    the torch.distributed collective the exception came out of, if any
               ``{"op": "all_reduce", "ranks": [0, 1], "tensors": "float32[4]"}``
 symptom       ``True`` when a collective failed on this rank (timed out, lost its peer), when
               gloo says a peer's connection closed or reset (wherever that surfaced: a peer
-              that died is never this rank's fault), or when the exception says it is a
+              that died is never this rank's fault), when a wait in the job's store timed out
+              (``DistStoreError``: joining the group, a peer never came), or when the exception says it is a
               consequence (``exc.consequence is True``: torch_tp's agreement raises it on the
               ranks whose own checks passed): the cause is another rank's, not this one's
 calls         ``{rank: "ALLREDUCE float32[1000]"}`` when torch's collective check
@@ -101,7 +102,7 @@ def exception_record(exc: BaseException, *, with_traceback: bool = True) -> dict
         "traceback": formatted_traceback(exc) if with_traceback else "",
         "time_ns": time.time_ns(),
         "collective": collective,
-        "symptom": _says_consequence(exc) or _lost_peer(exc, message) or (
+        "symptom": _says_consequence(exc) or _lost_peer(exc, message) or _store_wait_timed_out(exc, message) or (
             not calls and collective is not None and isinstance(exc, RuntimeError) and _raised_in_c10d(exc.__traceback__)),
         "calls": calls,
     }
@@ -228,6 +229,12 @@ def _describe(error: BaseException) -> str:
 
 def _lost_peer(exc: BaseException, message: str) -> bool:
     return isinstance(exc, (RuntimeError, OSError)) and _LOST_PEER.search(message) is not None
+
+
+def _store_wait_timed_out(exc: BaseException, message: str) -> bool:
+    """A wait in the job's store ran out: the rank waited for keys a peer never set (joining the
+    process group, a peer that never reached the rendezvous): the peer's fault, not this rank's."""
+    return type(exc).__name__ == "DistStoreError" and "wait timeout" in message
 
 
 def _says_consequence(exc: BaseException) -> bool:

@@ -11,7 +11,8 @@ a rank that ...                                        is
 =====================================================  ===========================================
 raised outside a collective, or ``sys.exit(n)``        a cause (the earliest one is the root cause)
 ended without a word: ``os._exit``, SIGABRT, SIGSEGV,  a cause
-SIGKILL (the OOM killer)
+SIGKILL (the OOM killer), a SIGTERM the launcher did
+not send
 was stopped by a signal (SIGSTOP) and never continued  a cause: its peers waited for it
 raised inside a collective (timed out, lost its peer)  a consequence: it waited for another rank
 was still running when the run was stopped, and not    the root cause when no rank is a cause: its
@@ -52,6 +53,8 @@ _NATIVE_REASONS = (
     "what():", "malloc(): ", "free(): ", "realloc(): ", "double free or corruption", "corrupted size vs. prev_size",
     "munmap_chunk(): ", "Fatal Python error:",
 )
+_SIGTERM_HINT = (", sent from outside the launcher, which stops ranks only once one has failed (a job scheduler "
+                 "preempting or cancelling the job, `kill`, a timeout): run the job again, from its newest checkpoint")
 _OOM_HINT = " (most often the kernel's OOM killer, when memory runs out: see `dmesg`; nothing in a process can catch SIGKILL)"
 
 
@@ -215,7 +218,7 @@ def _what_it_did(o: RankOutcome) -> str:
     if o.exit_code == 0:
         return f"rank {o.rank} exited with code 0 before its function returned (os._exit, or a library ending the process)"
     if o.exit_code is not None and o.exit_code < 0:
-        hint = _OOM_HINT if -o.exit_code == signal.SIGKILL else ""
+        hint = {signal.SIGKILL: _OOM_HINT, signal.SIGTERM: _SIGTERM_HINT}.get(-o.exit_code, "")
         return f"rank {o.rank} was killed by {_signal_name(-o.exit_code)}{where}{_abort_reason(o.output)}{hint}"
     return f"rank {o.rank} exited with code {o.exit_code}"
 

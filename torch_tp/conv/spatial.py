@@ -364,9 +364,18 @@ def _region_input(module, args, **where):
     return _spatial_input(module, args, region=True, **where)
 
 
+#: Dtypes gloo's collectives cannot move ("Invalid scalar type"): gathered as the wider one, exactly.
+_GLOO_WIDENED = {torch.int16: torch.int32}
+
+
 def _whole(value: DTensor) -> DTensor:
-    """``value`` with every mesh dim ``Replicate()``: the spatial dims reduced (pooled) or gathered."""
-    return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+    """``value`` with every mesh dim ``Replicate()``: the spatial dims reduced (pooled) or gathered
+    (an int16 map, ``x.short()``, travels as int32 over gloo, which has no int16)."""
+    whole = [Replicate()] * value.device_mesh.ndim
+    wider = _GLOO_WIDENED.get(value.dtype)
+    if wider is not None and value.device.type == "cpu" and any(not p.is_replicate() for p in value.placements):
+        return value.to(wider).redistribute(placements=whole).to(value.dtype)
+    return value.redistribute(placements=whole)
 
 
 def _region_output(module, inputs, output, *, layout, dim, use_local_output):

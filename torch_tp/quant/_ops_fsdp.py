@@ -26,6 +26,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from torch_tp._tokens import dequantize_rows
+
 from torch_tp.quant._torchao import import_torchao
 from torch_tp.quant.int8_tensor import Int8SymmetricTensor, built_from_checked_data
 
@@ -70,9 +72,11 @@ class Int8FlatView(TorchAOBaseTensor):
         return self.scale.shape[0]
 
     def dequantize(self, output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The flat float tensor this one stands for."""
+        """The flat float tensor this one stands for: the values the weight's own ``dequantize()``
+        gives, element by element (the one rule, :func:`torch_tp._tokens.dequantize_rows`: within
+        float32's range, where ``127 * (amax / 127)`` may round past ``amax``)."""
         rows = self.qdata.view(self.rows, -1) if self.rows else self.qdata.view(0, 0)
-        return (rows.float() * self.scale.reshape(self.rows, 1)).to(output_dtype or self.dtype).view(-1)
+        return dequantize_rows(rows, self.scale.reshape(self.rows, 1), output_dtype or self.dtype).view(-1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(numel={self.numel()}, rows={self.rows}, dtype={self.dtype})"

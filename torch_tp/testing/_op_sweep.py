@@ -1,6 +1,6 @@
 """Every op of PyTorch's OpInfo database, on one of torch_tp's tensor kinds, against the float op.
 
-A *surface* is a tensor kind torch_tp hands users (an int8 weight, ...): :class:`Surface` says
+A *surface* is a tensor kind torch_tp hands users (an int8 weight: :mod:`torch_tp.testing._op_sweep_int8`, ...): :class:`Surface` says
 which arguments of an OpInfo sample it can stand for (``positions``), how to build it from the
 float argument (``lift``), and the float value it stands for (``value``). For each op and
 sample and each such position, :func:`sweep_ops` runs the op twice, on the surface tensor and on
@@ -23,6 +23,7 @@ rewrites it.
 Example::
 
     >>> # xdoctest: +SKIP("imports the OpInfo database (a few seconds)")
+    >>> from torch_tp.testing._op_sweep_int8 import INT8_WEIGHT
     >>> result = sweep_ops(INT8_WEIGHT, samples_per_op=2)
     >>> [case for case in result.cases if case.outcome in ("wrong", "unclear")]
     []
@@ -30,10 +31,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,14 +44,22 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "COVERAGE_DOC",
-    "INT8_WEIGHT",
     "OUTCOMES",
-    "SURFACES",
     "Surface",
     "SweepCase",
     "SweepResult",
+    "assert_documented",
+    "assert_same",
+    "compared",
     "coverage_table",
+    "cpu_seeding",
+    "describe",
+    "documented_counts",
     "marked_section",
+    "op_name",
+    "refusal",
+    "sampled_ops",
+    "swept_counts",
     "sweep_ops",
     "write_coverage",
 ]
@@ -68,14 +79,21 @@ class Surface:
     Example::
 
         >>> # xdoctest: +SKIP("imports torch_tp.quant")
+        >>> from torch_tp.testing._op_sweep_int8 import INT8_WEIGHT
         >>> INT8_WEIGHT.name
         'int8 weight'
     """
 
     name: str
     positions: Callable[[Sequence[Any]], list[int]]   # which of (input, *args) it can stand for
-    lift: Callable[[torch.Tensor], torch.Tensor]      # the surface tensor for a float argument
-    value: Callable[[torch.Tensor], torch.Tensor]     # the float value a surface tensor stands for
+    lift: Callable[[torch.Tensor], torch.Tensor] | None = None   # the surface tensor for a float argument
+    value: Callable[[torch.Tensor], torch.Tensor] | None = None  # the float value a surface tensor stands for
+    #: ``run(op, args, kwargs, position)`` -> ``[(variant, outcome, detail), ...]`` (``[]``: not a case);
+    #: default: the op on ``lift`` of the argument against the op on its ``value``, out of place
+    run: Callable[..., list[tuple[str, str, str]]] | None = None
+    #: ``extra(args, kwargs)`` -> ``[(label, args, kwargs), ...]``: samples the database lacks (empty,
+    #: uneven, non-finite), built from an op's first sample the surface takes
+    extra: Callable[..., list[tuple[str, list, dict]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +101,11 @@ class SweepCase:
     """One op, sample and argument position, and what happened."""
 
     op: str
-    sample: int
+    sample: int | str  # the database's sample index, or the label of an extra sample
     position: int
     outcome: str
     detail: str = ""
+    variant: str = "out of place"  # or "in place", "view written through"
 
 
 @dataclasses.dataclass
@@ -129,11 +148,34 @@ def sweep_ops(surface: Surface, *, ops: Iterable | None = None, samples_per_op: 
 
         ops = op_db
     cases: list[SweepCase] = []
-    with warnings.catch_warnings():  # the database's deprecated ops warn on every sample
+    with warnings.catch_warnings(), cpu_seeding():  # the database's deprecated ops warn on every sample
         warnings.simplefilter("ignore")
         for op in ops:
             cases.extend(_op_cases(op, surface, samples_per_op, rtol, atol))
     return SweepResult(surface, cases)
+
+
+@contextlib.contextmanager
+def cpu_seeding() -> Iterator[None]:
+    """``torch.manual_seed`` seeds only the CPU generator inside: the same numbers on the CPU, without
+    queueing a lazy seed (with its formatted stack, milliseconds) for each accelerator module, which
+    the database's sample generators do before every sample (half a sweep's time).
+
+    Example::
+
+        >>> with cpu_seeding():
+        ...     _ = torch.manual_seed(0)
+        ...     a = torch.rand(2)
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(a, torch.rand(2))
+        True
+    """
+    original = torch.manual_seed
+    torch.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    try:
+        yield
+    finally:
+        torch.manual_seed = original
 
 
 def _op_cases(op, surface: Surface, samples_per_op: int | None, rtol: float, atol: float) -> Iterable[SweepCase]:
@@ -144,14 +186,27 @@ def _op_cases(op, surface: Surface, samples_per_op: int | None, rtol: float, ato
         samples = op.sample_inputs("cpu", torch.float32, requires_grad=False)
     except Exception:  # an OpInfo whose sample generator needs something this build lacks
         return
+    first = None
     for index, sample in enumerate(samples):
         if samples_per_op is not None and index >= samples_per_op:
             break
         args = [sample.input, *sample.args]
-        for position in surface.positions(args):
-            case = _run_case(op, sample.kwargs, args, position, surface, rtol, atol)
-            if case is not None:
-                yield SweepCase(op_name(op), index, position, *case)
+        first = first or (surface.positions(args) and (args, sample.kwargs))
+        yield from _sample_cases(op, index, args, sample.kwargs, surface, rtol, atol)
+    if first and surface.extra is not None:
+        for label, args, kwargs in surface.extra(*first):
+            yield from _sample_cases(op, label, args, kwargs, surface, rtol, atol)
+
+
+def _sample_cases(op, label, args, kwargs, surface: Surface, rtol, atol) -> Iterable[SweepCase]:
+    for position in surface.positions(args):
+        if surface.run is not None:
+            found = surface.run(op, args, kwargs, position)
+        else:
+            found = _run_case(op, kwargs, args, position, surface, rtol, atol)
+            found = [] if found is None else [("out of place", *found)]
+        for variant, outcome, detail in found:
+            yield SweepCase(op_name(op), label, position, outcome, detail, variant)
 
 
 def _run_case(op, kwargs, args, position, surface: Surface, rtol, atol) -> tuple[str, str] | None:
@@ -166,18 +221,30 @@ def _run_case(op, kwargs, args, position, surface: Surface, rtol, atol) -> tuple
     try:
         torch.manual_seed(0)
         got = op(*surfaced, **kwargs)
-    except _NAMED_ERRORS as error:
-        return ("refused", "") if "torch_tp" in str(error) else ("unclear", _describe(error))
     except Exception as error:
-        return "unclear", _describe(error)
+        return refusal(error)
+    return compared(_float_values(got), want, op.name in _UNINITIALIZED, rtol, atol)
+
+
+def refusal(error: BaseException) -> tuple[str, str]:
+    """``("refused", "")`` for a named error (one of the refusal types, naming torch_tp), else
+    ``("unclear", what it was)``."""
+    if isinstance(error, _NAMED_ERRORS) and "torch_tp" in str(error):
+        return "refused", ""
+    return "unclear", describe(error)
+
+
+def compared(got: Any, want: Any, shapes_only: bool, rtol: float, atol: float) -> tuple[str, str]:
+    """``("equal", "")`` when :func:`assert_same` passes, else ``("wrong", the first line of why)``."""
     try:
-        _assert_same(_float_values(got), want, op.name in _UNINITIALIZED, rtol, atol)
+        assert_same(got, want, shapes_only, rtol, atol)
     except Exception as error:
         return "wrong", str(error).splitlines()[0][:200] if str(error) else type(error).__name__
     return "equal", ""
 
 
-def _describe(error: Exception) -> str:
+def describe(error: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters of it)."""
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
@@ -187,19 +254,26 @@ def _float_values(result: Any) -> Any:
                            and hasattr(t, "dequantize") else t, result)
 
 
-def _assert_same(got: Any, want: Any, shapes_only: bool, rtol: float, atol: float) -> None:
+def assert_same(got: Any, want: Any, shapes_only: bool, rtol: float, atol: float) -> None:
+    """Raise unless ``got`` is ``want``: the same structure, tensors of the same shape and dtype and
+    close values, non-finite (NaN or an infinity) exactly where ``want`` is non-finite (CPU kernels
+    give NaN or inf for one input by vector length); ``shapes_only`` compares no values."""
     got_leaves, got_spec = pytree.tree_flatten(got)
     want_leaves, want_spec = pytree.tree_flatten(want)
     assert got_spec == want_spec, f"result structure {got_spec} differs from the float op's {want_spec}"
     for g, w in zip(got_leaves, want_leaves):
         if isinstance(w, torch.Tensor):
             assert isinstance(g, torch.Tensor), f"got {type(g).__name__}, the float op a tensor"
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), ((g.shape, g.dtype), (w.shape, w.dtype))
             if shapes_only:
-                assert (g.shape, g.dtype) == (w.shape, w.dtype), ((g.shape, g.dtype), (w.shape, w.dtype))
-            else:
-                torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+                continue
+            if w.is_floating_point() or w.is_complex():
+                finite = torch.isfinite(w)
+                assert torch.equal(torch.isfinite(g), finite), "non-finite at other positions than the float op"
+                g, w = g[finite], w[finite]
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
         else:
-            assert g == w, (g, w)
+            assert g == w or (g != g and w != w), (g, w)  # NaN == NaN for floats
 
 
 def coverage_table(result: SweepResult) -> str:
@@ -228,32 +302,101 @@ def coverage_table(result: SweepResult) -> str:
     for name, counts in by_op.items():
         if counts["equal"]:
             lines.append(f"| `{name}` | {sum(counts.values())} | {counts['equal']} | {counts['refused']} |")
+    refused = [f"`{name}` {counts['refused']}" for name, counts in by_op.items()
+               if counts["refused"] == sum(counts.values())]
+    lines += ["", f"{_REFUSED_EVERYWHERE} {', '.join(refused) or 'none'}."]
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------------------------- surfaces
+_REFUSED_EVERYWHERE = "Refused by name on every case (op cases):"
 
 
-def _int8_weight_positions(args: Sequence[Any]) -> list[int]:
-    return [i for i, a in enumerate(args) if type(a) is torch.Tensor and a.layout == torch.strided
-            and a.dtype == torch.float32 and a.ndim == 2 and a.numel() > 0]
+def documented_counts(text: str, surface: Surface) -> tuple[Counter, dict[str, Counter]]:
+    """The totals and the per-op counts (``Counter(cases=, equal=, refused=)``) of ``surface``'s
+    table in the markdown ``text``: what :func:`coverage_table` wrote, read back.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("imports the OpInfo database (a few seconds)")
+        >>> result = sweep_ops(INT8_WEIGHT, samples_per_op=1)
+        >>> documented_counts(coverage_table(result), INT8_WEIGHT)[1]["t"]
+        Counter({'cases': 1, 'equal': 1})
+    """
+    begin, end = marked_section(surface)
+    table = text.split(begin, 1)[1].split(end, 1)[0] if begin in text else text
+    rows = [line.strip("|").split("|") for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| ---")]
+    if len(rows) < 2 or _REFUSED_EVERYWHERE not in table:
+        raise ValueError(f"{COVERAGE_DOC} holds no coverage table of {surface.name!r} between {begin} and {end}; "
+                         f"write it with python3 -m torch_tp.testing._op_sweep_tables")
+    total = rows[1]
+    totals = Counter(dict(zip(("ops", "cases", *OUTCOMES), (int(v) for v in total[1:]))))
+    per_op = {row[0].strip().strip("`"): Counter(dict(zip(("cases", "equal", "refused"), map(int, row[1:]))))
+              for row in rows[3:]}
+    refused = table.split(_REFUSED_EVERYWHERE, 1)[1].strip().rstrip(".")
+    for item in (refused.split(", ") if refused != "none" else []):
+        name, cases = item.rsplit(" ", 1)
+        per_op[name.strip("`")] = Counter(cases=int(cases), refused=int(cases))
+    for counts in per_op.values():
+        for key in [k for k, v in counts.items() if v == 0]:
+            del counts[key]
+    return totals, per_op
 
 
-def _int8_weight(t: torch.Tensor) -> torch.Tensor:
-    from torch_tp.quant import Int8SymmetricTensor
-
-    return Int8SymmetricTensor.from_hp(torch.nan_to_num(t))  # a weight holds no NaN or inf (refused)
-
-
-def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize()
+def swept_counts(result: SweepResult) -> dict[str, Counter]:
+    """``result``'s per-op counts in :func:`documented_counts`'s form."""
+    return {name: Counter({k: v for k, v in (("cases", sum(c.values())), ("equal", c["equal"]),
+                                             ("refused", c["refused"])) if v})
+            for name, c in result.by_op().items()}
 
 
-#: ``Int8SymmetricTensor`` (weight-only) in place of each non-empty 2-D float32 argument.
-INT8_WEIGHT = Surface("int8 weight", _int8_weight_positions, _int8_weight, _dequantized)
+def assert_documented(result: SweepResult, text: str, command: str, *, known_wrong: dict[str, int] | None = None) -> None:
+    """Raise ``AssertionError`` unless ``result`` (a sweep of some ops) has no wrong or unclear case and
+    each of its ops has the counts ``text``'s table of its surface gives, and that table is whole:
+    its totals are its rows' and show no wrong or unclear case. ``command`` rewrites the table.
+    ``known_wrong`` (``{op: cases}``, upstream's expected failures) names ops whose wrong cases are
+    known and not yet fixed: they may fail, and the table must record exactly that many.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("imports the OpInfo database (a few seconds)")
+        >>> assert_documented(sweep_ops(INT8_WEIGHT, ops=some_ops), open(COVERAGE_DOC).read(),
+        ...                   "python3 -m torch_tp.testing._op_sweep")
+    """
+    known_wrong = known_wrong or {}
+    failures = [c for c in result.failures() if c.op not in known_wrong]
+    assert not failures, "\n".join(f"{c.op} sample {c.sample} arg {c.position} {c.variant}: {c.outcome}: {c.detail}"
+                                   for c in failures[:30])
+    totals, documented = documented_counts(text, result.surface)
+    stale = {name: (counts, documented.get(name)) for name, counts in swept_counts(result).items()
+             if documented.get(name) != counts}
+    assert not stale, (f"{COVERAGE_DOC}'s table of {result.surface.name} is not the sweep's for "
+                       f"{len(stale)} ops (swept, documented): {dict(list(stale.items())[:10])}; run {command}")
+    rows = Counter()
+    for counts in documented.values():
+        rows.update(counts)
+    assert (totals["ops"], totals["cases"], totals["equal"], totals["refused"]) == (
+        len(documented), rows["cases"], rows["equal"], rows["refused"]), (
+        f"{COVERAGE_DOC}'s totals of {result.surface.name} are not its rows' ({totals} vs {rows}); run {command}")
+    assert (totals["wrong"] + totals["unclear"]) == sum(known_wrong.values()), (
+        f"{COVERAGE_DOC} records wrong or unclear cases of {result.surface.name} beyond the known ones "
+        f"{known_wrong}: {totals}")
 
 
-SURFACES = {"int8-weight": INT8_WEIGHT}
+def sampled_ops(ops: Iterable, *, keep: Iterable[str] = (), every: int = 8) -> list:
+    """The ops CI sweeps: those named in ``keep`` and about one in ``every`` of the rest, chosen by
+    a stable hash of the name (the same ops on every run and machine).
+
+    Example::
+
+        >>> import types
+        >>> [op.name for op in sampled_ops([types.SimpleNamespace(name="t", variant_test_name="")], keep=["t"])]
+        ['t']
+    """
+    keep = set(keep)
+    return [op for op in ops if op_name(op) in keep or zlib.crc32(op_name(op).encode()) % every == 0]
+
+
 #: Where each surface's coverage table lives, between these markers.
 COVERAGE_DOC = "docs/op_coverage.md"
 
@@ -274,11 +417,7 @@ def write_coverage(path: str, result: SweepResult) -> None:
         f.write(f"{head}{begin}\n{coverage_table(result)}{end}{tail}")
 
 
-if __name__ == "__main__":  # python3 -m torch_tp.testing._op_sweep [SURFACE ...]: rewrite the docs' tables
-    import sys
+if __name__ == "__main__":  # the older command: python3 -m torch_tp.testing._op_sweep [SURFACE ...]
+    import runpy
 
-    for key in sys.argv[1:] or list(SURFACES):
-        swept = sweep_ops(SURFACES[key])
-        write_coverage(COVERAGE_DOC, swept)
-        print(f"{SURFACES[key].name}: {len(swept.cases)} cases, {len(swept.failures())} wrong or unclear "
-              f"-> {COVERAGE_DOC}")
+    runpy.run_module("torch_tp.testing._op_sweep_tables", run_name="__main__")
