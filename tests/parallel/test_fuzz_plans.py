@@ -35,16 +35,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
 from torch_tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from torch_tp.testing import RankFailure, assert_trains_like, local_chunk, run_on_ranks, tp_mesh
+from torch_tp.testing import assert_trains_like, local_chunk, tp_mesh
+
+from fuzzing import TOLERANCE, NonFiniteAsNaN, named_refusal, outcomes_on_ranks
 
 # per CI run (each is one task on a warm rank pool: well under a second); the hunt profile's own budget
 FUZZ_EXAMPLES = 12 if os.environ.get("TORCH_TP_HYPOTHESIS", "ci") == "ci" else settings.default.max_examples
-
-
-#: against one process in the same dtype; bfloat16's: the split sums round at the output's scale
-#: (2**-8 of it), grown by two SGD steps (test_fuzz_suggest.py's docstring says why not float64)
-_TOLERANCE = {"float32": dict(rtol=1e-4, atol=1e-5), "float64": dict(rtol=1e-10, atol=1e-10),
-              "bfloat16": dict(rtol=2e-2, atol=2e-2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +99,10 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class _NonFiniteAsNaN(nn.Module):
-    """Every NaN and +-inf of the output as NaN. CPU kernels disagree with themselves on which
-    non-finite value they give (``gelu(inf)`` is NaN on a vector of 2, inf on one element), and a
-    rank's piece has another length than the whole: "non-finite where one process is" is the claim."""
-
-    def forward(self, x):
-        return x.masked_fill(~torch.isfinite(x), float("nan"))
-
-
 def _model(case: Case) -> nn.Module:
     torch.manual_seed(case.seed)
     blocks = [_Block(case) for _ in range(case.blocks)]
-    return nn.Sequential(*blocks, _NonFiniteAsNaN()).to(getattr(torch, case.dtype))
+    return nn.Sequential(*blocks, NonFiniteAsNaN()).to(getattr(torch, case.dtype))
 
 
 def _plan(case: Case) -> dict:
@@ -143,37 +130,25 @@ def _mean_square(out, total):
     return out.pow(2).sum() / max(total, 1)
 
 
-def _named(error: Exception) -> bool:
-    """A refusal by name: one of the three types, naming a torch_tp style or module."""
-    message = str(error)
-    return isinstance(error, (ValueError, TypeError, NotImplementedError)) and (
-        "Parallel" in message or "torch_tp" in message)
-
-
 def _train_case(case: Case) -> str:
     """On every rank: ``"trained"`` if the case trains like one process, else this rank's named error."""
     reference = _model(case)
     try:
         model = parallelize_module(copy.deepcopy(reference), tp_mesh(), _plan(case))
-        tolerance = dict(rtol=0.1, atol=0.1) if case.int8_comm else _TOLERANCE[case.dtype]
+        tolerance = dict(rtol=0.1, atol=0.1) if case.int8_comm else TOLERANCE[case.dtype]
         strip = functools.partial(local_chunk, dim=1) if case.sequence_parallel else None
         assert_trains_like(model, reference, [(x, x.numel()) for x in (_batch(case, step) for step in range(2))], _mean_square,
                            optimizer=functools.partial(torch.optim.SGD, lr=0.05), **tolerance,
                            module_inputs=strip, expected_output=strip, what=str(case))
     except Exception as error:  # an AssertionError (a mismatch) is never a named refusal
-        if not _named(error):
+        if not named_refusal(error):
             raise
         return f"{type(error).__name__}: {str(error).split(';')[0]}"
     return "trained"
 
 
 def _run(case: Case) -> list[str]:
-    try:
-        outcomes = run_on_ranks(_train_case, case.world, case, timeout=60)
-    except RankFailure as failure:
-        pytest.fail(f"{case}: {failure}")
-    assert len(set(outcomes)) == 1, f"{case}: the ranks ended differently: {outcomes}"
-    return outcomes
+    return outcomes_on_ranks(_train_case, case, timeout=60)
 
 
 @settings(max_examples=FUZZ_EXAMPLES)

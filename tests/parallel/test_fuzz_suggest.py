@@ -47,13 +47,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module, suggest_plan
-from torch_tp.testing import RankFailure, assert_trains_like, local_chunk, run_on_ranks, tp_mesh
+from torch_tp.testing import assert_trains_like, local_chunk, tp_mesh
+
+from fuzzing import TOLERANCE, NonFiniteAsNaN, named_refusal, outcomes_on_ranks
 
 # per CI run (on warm pools a styles case takes under a second, a derived one 1-3 s; 3-16 s on 2 busy cores); else the hunt's
 FUZZ_EXAMPLES = 4 if os.environ.get("TORCH_TP_HYPOTHESIS", "ci") == "ci" else settings.default.max_examples
-
-_TOLERANCE = {"float32": dict(rtol=1e-4, atol=1e-5), "float64": dict(rtol=1e-10, atol=1e-10),
-              "bfloat16": dict(rtol=2e-2, atol=2e-2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +144,6 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ffn_norm(x))))
 
 
-class _NonFiniteAsNaN(nn.Module):
-    """Every NaN and +-inf of the output as NaN (as in ``test_fuzz_plans.py``: CPU kernels give
-    either on pieces of other lengths; "non-finite where one process is" is the claim)."""
-
-    def forward(self, x):
-        return x.masked_fill(~torch.isfinite(x), float("nan"))
-
-
 class _Model(nn.Module):
     def __init__(self, case: Case):
         super().__init__()
@@ -161,7 +152,7 @@ class _Model(nn.Module):
         self.blocks = nn.Sequential(*(_Block(case) for _ in range(case.blocks)))
         self.norm = _norm(case)
         self.head = nn.Linear(case.dim, case.world * 2, bias=case.bias)
-        self.finite = _NonFiniteAsNaN()
+        self.finite = NonFiniteAsNaN()
 
     def forward(self, x):
         if hasattr(self, "embedding"):
@@ -214,15 +205,6 @@ def _mean_square(out, _):
     return out.pow(2).sum() / max(out.numel(), 1)
 
 
-def _named(error: Exception) -> bool:
-    """A refusal by name: a torch_tp error type (``suggest_plan``'s ``PlanDerivationError`` is a
-    ``RuntimeError``) whose message names a torch_tp style or module."""
-    message = str(error)
-    kinds = (ValueError, TypeError, NotImplementedError)
-    return (isinstance(error, kinds) or type(error).__name__ == "PlanDerivationError") and (
-        "Parallel" in message or "torch_tp" in message)
-
-
 def _train_case(case: Case) -> str:
     """On every rank: ``"trained"`` if the case trains like one process, else this rank's named error."""
     reference = _model(case)
@@ -231,22 +213,17 @@ def _train_case(case: Case) -> str:
         # a hand-written sequence-parallel plan takes this rank's strip of float inputs (an embedding splits its own)
         strip = case.plan == "styles" and case.sequence_parallel and not case.vocab
         assert_trains_like(model, reference, [(_batch(case, step), None) for step in range(2)], _mean_square,
-                           optimizer=functools.partial(torch.optim.SGD, lr=0.05), **_TOLERANCE[case.dtype],
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.05), **TOLERANCE[case.dtype],
                            module_inputs=functools.partial(local_chunk, dim=1) if strip else None, what=str(case))
     except Exception as error:  # an AssertionError (a mismatch) is never a named refusal
-        if not _named(error):
+        if not named_refusal(error, also=("PlanDerivationError",)):
             raise
         return f"{type(error).__name__}: {str(error).split(';')[0][:300]}"
     return "trained"
 
 
 def _run(case: Case) -> list[str]:
-    try:
-        outcomes = run_on_ranks(_train_case, case.world, case, timeout=120)
-    except RankFailure as failure:
-        pytest.fail(f"{case}: {failure}")
-    assert len(set(outcomes)) == 1, f"{case}: the ranks ended differently: {outcomes}"
-    return outcomes
+    return outcomes_on_ranks(_train_case, case, timeout=120)
 
 
 @settings(max_examples=FUZZ_EXAMPLES)
