@@ -53,11 +53,31 @@ Key = TypeVar("Key", bound=Hashable)
 # -------------------------------------------------------------------------- collectives
 
 
+class _NoModuleTracking:
+    """What ``CommDebugMode`` reads of its module tracker, with no module hooks: every count is
+    the whole step's (``"Global"``). The tracker's global hooks lose their place in models whose
+    own hooks return early (transformers >= 5.2x: ``IndexError`` in ``_fw_set_module_hook``), and
+    the counts here are per step, not per module."""
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+    module_parents_dict = {"Global": set()}
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
 class CollectiveBytesMode(CommDebugMode):
-    """``CommDebugMode`` that also sums the bytes of each collective's input tensor(s)."""
+    """``CommDebugMode`` that also sums the bytes of each collective's input tensor(s), counting
+    per step (no module tracking: :class:`_NoModuleTracking`)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.advanced_module_tracker = _NoModuleTracking()
         self.input_bytes = 0
 
     def __enter__(self):

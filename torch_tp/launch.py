@@ -433,6 +433,9 @@ class _RankWatch:
         self.ended_before_agent: set[int] | None = None  # ranks gone when the agent began stopping ranks
         self.started: dict[int, int] = {}  # the ranks' descendants: pid: start time
         self._procs: dict[int, Any] = {}  # pid: the agent's multiprocessing.Process
+        # rank: its Process, from the agent's context (a rank ended before it wrote its pid file,
+        # e.g. stopped by the agent while it started, has an exit code all the same)
+        self.by_rank: dict[int, Any] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch_tp-launch-watch", daemon=True)
 
@@ -462,6 +465,7 @@ class _RankWatch:
             return original_close(context, *args, **kwargs)
 
         def join(context: Any, *args: Any, **kwargs: Any) -> Any:
+            self.by_rank.update(enumerate(context.processes))  # local rank order: one node
             for process in context.processes:
                 if "terminate" not in vars(process):  # the process's own SIGTERM, noted first
                     process.terminate = functools.partial(self._terminate, process)
@@ -486,9 +490,10 @@ class _RankWatch:
         """Each rank's exit code, where its process was seen (call after the agent returned)."""
         self._read_pids()  # a rank that ended between two polls left its pid file behind
         codes = {}
-        for rank, pid in self.pids.items():
-            proc = self._procs.get(pid)
+        for rank in range(self.nproc):
+            proc = self._procs.get(self.pids[rank]) if rank in self.pids else None
             with contextlib.suppress(ValueError):  # a closed Process
+                proc = proc or self.by_rank.get(rank)
                 if proc is not None and proc.exitcode is not None:
                     codes[rank] = proc.exitcode
         return codes

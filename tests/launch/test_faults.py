@@ -385,3 +385,19 @@ def test_under_torchrun_the_agent_names_the_rank_that_raised_not_its_peer():
     root_cause = done.stderr.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root_cause, done.stderr
     assert "ValueError: boom under torchrun" in root_cause, done.stderr
+
+
+def test_a_rank_the_agent_stopped_before_it_wrote_its_pid_file_reads_as_stopped_not_as_a_cause(tmp_path, monkeypatch):
+    """The agent's SIGTERM can reach a peer while it still starts (a culprit that fails at once):
+    its exit code comes from the agent's process context, and it reads as stopped by the launcher,
+    not as a rank that exited with code 0 before its function returned (the root cause)."""
+    from types import SimpleNamespace
+
+    from torch_tp import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "_STACK_WAIT", 0.0)
+    watch = launch_module._RankWatch(str(tmp_path), 2)
+    watch.by_rank.update({0: SimpleNamespace(exitcode=-signal.SIGTERM), 1: SimpleNamespace(exitcode=None)})
+    assert watch.exit_codes() == {0: -signal.SIGTERM}
+    outcome = launch_module._outcome(str(tmp_path), 0, -signal.SIGTERM)
+    assert outcome.state == "running" and not outcome.is_cause

@@ -123,6 +123,12 @@ def _model_plan(model: nn.Module) -> dict[str, str]:
     plan = {f"{prefix}embed_tokens": "embedding_rowwise"}
     plan.update({f"{prefix}{key}": value for key, value in (getattr(config, "base_model_tp_plan", None) or {}).items()})
     plan.update(getattr(model, "_tp_plan", None) or {})
+    # transformers >= 5.2x states the grouped experts in its expert-parallel plan only
+    # (``base_model_ep_plan``: ``grouped_gemm``, ``ep_dispatch_experts``); their keys mark the
+    # MoE blocks, whatever style the tensor-parallel plan gives (or no longer gives) them
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    plan.update({f"{prefix}{key}": value for key, value in ep_plan.items() if ".experts" in key
+                 and f"{prefix}{key}" not in plan})
     return plan
 
 
